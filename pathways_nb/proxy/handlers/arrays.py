@@ -1,0 +1,430 @@
+"""Array requests: host transfers, (dis)assembly, copies between devices, deletion."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from pathways_nb.protocol import dtypes, shardings
+from pathways_nb.protocol.errors import InvalidRequest, RequestError, Unimplemented
+from pathways_nb.protocol.shardings import IfrtSharding
+from pathways_nb.proxy.dispatch import DEFERRED, handles
+from pathways_nb.proxy.pending import Pending
+from pathways_nb.proxy.records import ArrayRecord
+
+ALWAYS_COPY, REUSE_INPUT, DONATE_INPUT = 1, 2, 3
+
+
+# -- host <-> device ------------------------------------------------------------------------
+
+
+def _host_array(data: memoryview, dtype: np.dtype, shape: tuple[int, ...], byte_strides) -> np.ndarray:
+    """Host bytes as an array of ``shape``, honouring the client's byte strides."""
+    if byte_strides is None:
+        expected = math.prod(shape) * dtype.itemsize
+        if data.nbytes != expected:
+            raise InvalidRequest(
+                f"the host buffer has {data.nbytes} bytes, but a {dtype}{list(shape)} array needs {expected}"
+            )
+        return np.frombuffer(data, dtype).reshape(shape)
+    strides = tuple(byte_strides)
+    if len(strides) != len(shape):
+        raise InvalidRequest(f"{len(strides)} byte strides given for a {len(shape)}-dimensional array")
+    try:
+        view = np.ndarray(shape, dtype, buffer=data, strides=strides)
+    except (TypeError, ValueError) as e:
+        raise InvalidRequest(f"byte strides {list(strides)} do not fit the host buffer: {e}") from e
+    # (np.ascontiguousarray would turn a 0-d array into a 1-d one.)
+    return view if view.flags.c_contiguous else view.copy(order="C")
+
+
+def _strided_bytes(host: np.ndarray, byte_strides) -> memoryview:
+    """``host``'s elements laid out with the client's byte strides (dense if none)."""
+    if byte_strides is None:
+        return memoryview(np.ascontiguousarray(host).reshape(-1).view(np.uint8))
+    strides = tuple(byte_strides)
+    if len(strides) != host.ndim or any(s < 0 for s in strides):
+        raise InvalidRequest(f"byte strides {list(strides)} do not fit a {host.ndim}-dimensional array")
+    extent = host.itemsize + sum((d - 1) * s for d, s in zip(host.shape, strides, strict=True)) if host.size else 0
+    out = np.zeros(extent, np.uint8)
+    if host.size:
+        np.ndarray(host.shape, host.dtype, buffer=out, strides=strides)[...] = host
+    return memoryview(out)
+
+
+def _strides(request):
+    return request.byte_strides.strides if request.HasField("byte_strides") else None
+
+
+def _shape(proto) -> tuple[int, ...]:
+    shape = tuple(proto.dims)
+    if any(d < 0 for d in shape):
+        raise InvalidRequest(f"negative dimension in shape {list(shape)}")
+    return shape
+
+
+@handles(
+    "make_array_from_host_buffer_request", outputs=lambda r: [r.array_handle] if r.HasField("array_handle") else []
+)
+def make_array_from_host_buffer(session, request, op_id):
+    """A device array from an uploaded host buffer; the upload may still be on its way."""
+    kind = request.dtype.kind
+    dtype = dtypes.to_numpy(kind)
+    shape = _shape(request.shape)
+    sharding = shardings.from_proto(request.sharding)
+    session.runtime.jax_sharding(sharding)  # refuse unknown devices now
+    strides = _strides(request)
+    record = ArrayRecord(kind, shape, sharding)
+    handle = request.array_handle if request.HasField("array_handle") else session.server_handle()
+    session.add_array(handle, record)
+    upload = session.host_buffers.take(request.host_buffer_handle)
+
+    def arrived(data, error):
+        with session.lock:
+            if error is not None:
+                record.fail(error)
+                return
+            try:
+                record.set(session.runtime.put(_host_array(data, dtype, shape, strides), sharding))
+            except RequestError as failure:
+                record.fail(failure)
+
+    upload.on_done(arrived)
+    return session.messages.proxy.MakeArrayFromHostBufferResponse(array_handle=handle)
+
+
+@handles("make_arrays_from_host_buffer_shards_request", outputs=lambda r: r.array_handles)
+def make_arrays_from_host_buffer_shards(session, request, op_id):
+    """Sharded arrays from one host buffer per group of shards (``device_put`` with a sharding)."""
+    if request.array_handles and len(request.array_handles) != len(request.specs):
+        raise InvalidRequest(f"{len(request.array_handles)} handles for {len(request.specs)} arrays")
+    handles_out = []
+    for index, spec in enumerate(request.specs):
+        handle = request.array_handles[index] if request.array_handles else session.server_handle()
+        handles_out.append(handle)
+        _make_from_shards(session, handle, spec)
+    return session.messages.proxy.MakeArraysFromHostBufferShardsResponse(array_handles=handles_out)
+
+
+def _make_from_shards(session, handle: int, spec) -> None:
+    kind = spec.array_spec.dtype.kind
+    dtype = dtypes.to_numpy(kind)
+    shape = _shape(spec.array_spec.shape)
+    sharding = shardings.from_proto(spec.array_spec.sharding)
+    target = session.runtime.jax_sharding(sharding)
+    shard_shape = tuple(target.shard_shape(shape))
+    record = ArrayRecord(kind, shape, sharding)
+    session.add_array(handle, record)
+    if len(spec.host_buffers) != len(spec.addressable_shard_indices):
+        raise InvalidRequest("every host buffer needs its list of shard indices")
+    owners: dict[int, int] = {}
+    for buffer_index, indices in enumerate(spec.addressable_shard_indices):
+        for shard_index in indices.indices:
+            if not 0 <= shard_index < len(sharding.device_ids):
+                raise InvalidRequest(
+                    f"shard index {shard_index} is outside the sharding's {len(sharding.device_ids)} devices"
+                )
+            owners[shard_index] = buffer_index
+    if len(owners) != len(sharding.device_ids):
+        raise InvalidRequest(f"host buffers cover {len(owners)} of {len(sharding.device_ids)} shards")
+    uploads = [session.host_buffers.take(buffer.host_buffer_handle) for buffer in spec.host_buffers]
+    buffer_specs = [(dtypes.to_numpy(b.dtype.kind), _shape(b.shape), _strides(b)) for b in spec.host_buffers]
+    for buffer_dtype, buffer_shape, _ in buffer_specs:
+        if buffer_shape != shard_shape or buffer_dtype != dtype:
+            raise InvalidRequest(
+                f"a host buffer of {buffer_dtype}{list(buffer_shape)} for shards of {dtype}{list(shard_shape)}"
+            )
+
+    def all_arrived(error):
+        with session.lock:
+            if error is not None:
+                record.fail(error)
+                return
+            try:
+                hosts = [_host_array(u.value, *s) for u, s in zip(uploads, buffer_specs, strict=True)]
+                shards = [hosts[owners[i]] for i in range(len(sharding.device_ids))]
+                record.set(session.runtime.put_shards(shape, sharding, shards))
+            except RequestError as failure:
+                record.fail(failure)
+
+    from pathways_nb.proxy.pending import when_all
+
+    when_all(uploads, all_arrived)
+
+
+@handles("copy_to_host_buffer_request")
+def copy_to_host_buffer(session, request, op_id):
+    """Reads an array into a host buffer the client then fetches with ``HostBufferLookup``."""
+    record = session.record(request.array_handle)
+    strides = _strides(request)
+
+    def read():
+        return _strided_bytes(session.runtime.to_host(record.value), strides)
+
+    def stored(data, error):
+        if error is None:
+            try:
+                session.host_buffers.store(request.host_buffer_handle, data)
+            except RequestError as failure:
+                error = failure
+        if error is not None:
+            session.reply_error(op_id, error)
+        else:
+            session.reply(op_id, "copy_to_host_buffer_response", session.messages.proxy.CopyToHostBufferResponse())
+
+    session.after(
+        [record], lambda: session.in_background(read, stored), on_error=lambda e: session.reply_error(op_id, e)
+    )
+    return DEFERRED
+
+
+@handles("check_value_ready_request")
+def check_value_ready(session, request, op_id):
+    """Replies once every array has been computed, or with the first failure."""
+    records = session.records(request.value_handles)
+
+    def wait():
+        for record in records:
+            if record.value is not None and not record.is_deleted:
+                record.value.block_until_ready()
+
+    def done(_result, error):
+        if error is not None:
+            session.reply_error(op_id, error)
+        else:
+            session.reply(op_id, "check_value_ready_response", session.messages.proxy.CheckValueReadyResponse())
+
+    session.after(records, lambda: session.in_background(wait, done), on_error=lambda e: session.reply_error(op_id, e))
+    return DEFERRED
+
+
+@handles("make_error_arrays_request", outputs=lambda r: r.array_handles)
+def make_error_arrays(session, request, op_id):
+    """Arrays that hold an error the client made; using them raises it."""
+    error = RequestError(request.error.message or "error array")
+    error.code = request.error.code or error.code
+    handles_out = []
+    for index, spec in enumerate(request.array_specs):
+        handle = request.array_handles[index] if request.array_handles else session.server_handle()
+        sharding = shardings.from_proto(spec.sharding)
+        session.add_array(handle, ArrayRecord.failed(spec.dtype.kind, _shape(spec.shape), sharding, error))
+        handles_out.append(handle)
+    return session.messages.proxy.MakeErrorArraysResponse(array_handles=handles_out)
+
+
+# -- assembling and moving ------------------------------------------------------------------
+
+
+def _derive(session, handle: int, inputs: list[ArrayRecord], record: ArrayRecord, make, semantics: int) -> int:
+    """Adds ``record`` under ``handle`` and fills it with ``make()`` once ``inputs`` are ready."""
+    handle = handle or session.server_handle()
+    session.add_array(handle, record)
+
+    def work():
+        record.set(make())
+        if semantics == DONATE_INPUT:
+            for source in inputs:
+                source.delete()
+
+    session.after(inputs, work, outputs=[record])
+    return handle
+
+
+@handles("assemble_array_from_single_device_arrays_request", outputs=lambda r: [r.result_handle])
+def assemble(session, request, op_id):
+    inputs = session.records(request.single_device_array_handles)
+    if not inputs:
+        raise InvalidRequest("assembling an array needs at least one single-device array")
+    shape = _shape(request.shape)
+    sharding = shardings.from_proto(request.sharding)
+    kind = request.dtype.kind if request.HasField("dtype") else inputs[0].kind
+    record = ArrayRecord(kind, shape, sharding)
+    handle = _derive(
+        session,
+        request.result_handle,
+        inputs,
+        record,
+        lambda: session.runtime.assemble(shape, sharding, [r.value for r in inputs]),
+        request.copy_semantics,
+    )
+    return session.messages.proxy.AssembleArrayFromSingleDeviceArraysResponse(array_handle=handle)
+
+
+@handles("disassemble_into_single_device_arrays_request", outputs=lambda r: r.result_handles)
+def disassemble(session, request, op_id):
+    source = session.record(request.array_handle)
+    sharding = source.sharding
+    if request.result_handles and len(request.result_handles) != len(sharding.device_ids):
+        raise InvalidRequest(
+            f"{len(request.result_handles)} result handles for an array with {len(sharding.device_ids)} shards"
+        )
+    shard_shape = tuple(session.runtime.jax_sharding(sharding).shard_shape(source.shape))
+    parts = [
+        ArrayRecord(source.kind, shard_shape, IfrtSharding((device_id,), sharding.memory_kind))
+        for device_id in sharding.device_ids
+    ]
+    result_handles = list(request.result_handles) or [session.server_handle() for _ in parts]
+    for handle, part in zip(result_handles, parts, strict=True):
+        session.add_array(handle, part)
+
+    def split():
+        for part, value in zip(parts, session.runtime.disassemble(source.value, sharding), strict=True):
+            part.set(value)
+
+    session.after([source], split, outputs=parts)
+    return session.messages.proxy.DisassembleIntoSingleDeviceArraysResponse(array_handles=result_handles)
+
+
+@handles("fully_replicated_shard_request", outputs=lambda r: [r.result_handle])
+def fully_replicated_shard(session, request, op_id):
+    source = session.record(request.array_handle)
+    first = source.sharding.device_ids[0]
+    record = ArrayRecord(source.kind, source.shape, IfrtSharding((first,), source.sharding.memory_kind))
+
+    def first_shard():
+        if source.sharding.op_sharding is not None:
+            raise InvalidRequest("the array is not fully replicated; disassemble it to read one shard")
+        return session.runtime.disassemble(source.value, source.sharding)[0]
+
+    handle = _derive(session, request.result_handle, [source], record, first_shard, request.copy_semantics)
+    return session.messages.proxy.FullyReplicatedShardResponse(array_handle=handle)
+
+
+@handles("copy_arrays_request", outputs=lambda r: r.result_handles)
+def copy_arrays(session, request, op_id):
+    """The same arrays on other devices or memories (``jax.device_put`` to new devices)."""
+    sources = session.records(request.array_handles)
+    if request.result_handles and len(request.result_handles) != len(sources):
+        raise InvalidRequest(f"{len(request.result_handles)} result handles for {len(sources)} arrays")
+    memory_kind = request.memory_kind or None if request.HasField("memory_kind") else None
+    result_handles = []
+    for index, source in enumerate(sources):
+        device_ids = tuple(request.device_ids) or source.sharding.device_ids
+        target = source.sharding.with_devices(device_ids, memory_kind or source.sharding.memory_kind)
+        session.runtime.jax_sharding(target)
+        record = ArrayRecord(source.kind, source.shape, target)
+        handle = request.result_handles[index] if request.result_handles else 0
+        result_handles.append(
+            _derive(
+                session,
+                handle,
+                [source],
+                record,
+                lambda s=source, t=target: session.runtime.copy(s.value, t),
+                request.copy_semantics,
+            )
+        )
+    return session.messages.proxy.CopyArraysResponse(array_handles=result_handles)
+
+
+@handles("reshard_arrays_request", outputs=lambda r: r.result_handles)
+def reshard_arrays(session, request, op_id):
+    """The same arrays with new shardings (possibly new devices)."""
+    sources = session.records(request.array_handles)
+    if len(request.array_specs) != len(sources):
+        raise InvalidRequest(f"{len(request.array_specs)} array specs for {len(sources)} arrays")
+    result_handles = []
+    for index, (source, spec) in enumerate(zip(sources, request.array_specs, strict=True)):
+        target = shardings.from_proto(spec.sharding)
+        session.runtime.jax_sharding(target)
+        record = ArrayRecord(source.kind, source.shape, target)
+        handle = request.result_handles[index] if request.result_handles else 0
+        result_handles.append(
+            _derive(
+                session,
+                handle,
+                [source],
+                record,
+                lambda s=source, t=target: session.runtime.copy(s.value, t),
+                request.copy_semantics,
+            )
+        )
+    return session.messages.proxy.ReshardArraysResponse(array_handles=result_handles)
+
+
+@handles("remap_arrays_request", outputs=lambda r: r.result_handles)
+def remap_arrays(session, request, op_id):
+    """New arrays whose shards are shards of the inputs, as the remap plan maps them."""
+    sources = session.records(request.array_handles)
+    plan = request.plan
+    if len(plan.input_specs) != len(sources):
+        raise InvalidRequest(f"the remap plan takes {len(plan.input_specs)} arrays, got {len(sources)}")
+    outputs = [
+        ArrayRecord(spec.dtype.kind, _shape(spec.shape), shardings.from_proto(spec.sharding))
+        for spec in plan.output_specs
+    ]
+    result_handles = list(request.result_handles) or [session.server_handle() for _ in outputs]
+    if len(result_handles) != len(outputs):
+        raise InvalidRequest(f"{len(result_handles)} result handles for {len(outputs)} remapped arrays")
+    for handle, record in zip(result_handles, outputs, strict=True):
+        session.add_array(handle, record)
+
+    def remap():
+        pieces = [session.runtime.disassemble(s.value, s.sharding) for s in sources]
+        placed: list[list] = [[None] * len(o.sharding.device_ids) for o in outputs]
+        for mapping in plan.mappings:
+            for from_interval, to_interval in zip(
+                zip(mapping.from_start, mapping.from_end, mapping.from_step, strict=True),
+                zip(mapping.to_start, mapping.to_end, mapping.to_step, strict=True),
+                strict=True,
+            ):
+                taken = range(*from_interval)
+                into = range(*to_interval)
+                if len(taken) != len(into):
+                    raise InvalidRequest("a remap interval maps a different number of shards than it receives")
+                for i, j in zip(taken, into, strict=True):
+                    placed[mapping.out_array][j] = pieces[mapping.in_array][i]
+        for record, shards in zip(outputs, placed, strict=True):
+            if any(shard is None for shard in shards):
+                raise InvalidRequest("the remap plan leaves shards of an output array unassigned")
+            record.set(session.runtime.assemble(record.shape, record.sharding, shards))
+        if request.copy_semantics == DONATE_INPUT:
+            for source in sources:
+                source.delete()
+
+    session.after(sources, remap, outputs=outputs)
+    return session.messages.proxy.RemapArraysResponse(array_handles=result_handles)
+
+
+@handles("bitcast_arrays_request", outputs=lambda r: r.result_handles)
+def bitcast_arrays(session, request, op_id):
+    raise Unimplemented(
+        "bitcast_arrays is not implemented by the pathways-nb proxy server; "
+        "use jax.lax.bitcast_convert_type inside a jitted function instead"
+    )
+
+
+# -- lifetime --------------------------------------------------------------------------------
+
+
+@handles("delete_array_request")
+def delete_array(session, request, op_id):
+    """Frees device memory now; the handles stay known (as deleted) until destructed."""
+    errors = []
+    for handle in request.array_handle:
+        record = session.arrays.get(handle)
+        if record is None:
+            errors.append(handle)
+        else:
+            record.delete()
+    done = Pending()
+    if errors:
+        done.fail(InvalidRequest(f"cannot delete unknown array handle(s) {', '.join(map(str, errors))}"))
+    else:
+        done.resolve(None)
+    return session.messages.proxy.DeleteArrayResponse(deletion_future_handle=session.add_future(done))
+
+
+@handles("destruct_array_request")
+def destruct_array(session, request, op_id):
+    """Forgets handles the client dropped; their memory goes once no program uses it."""
+    missing = [handle for handle in request.array_handle if session.arrays.pop(handle, None) is None]
+    if missing:
+        raise InvalidRequest(f"unknown array handle(s) {', '.join(map(str, missing))}")
+    return session.messages.proxy.DestructArrayResponse()
+
+
+@handles("is_array_deleted_request")
+def is_array_deleted(session, request, op_id):
+    return session.messages.proxy.IsArrayDeletedResponse(deleted=session.record(request.array_handle).is_deleted)

@@ -1,0 +1,262 @@
+"""Program requests: compile, metadata, execute and the executable's lifetime."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pathways_nb.protocol import attributes, dtypes
+from pathways_nb.protocol.errors import InvalidRequest, Unimplemented
+from pathways_nb.proxy.context import CompileCache
+from pathways_nb.proxy.dispatch import DEFERRED, handles
+from pathways_nb.proxy.pending import Pending
+from pathways_nb.proxy.records import ArrayRecord
+from pathways_nb.worker.runtime import Program
+
+XLA_PROGRAM = "xla::ifrt::XlaProgram"
+XLA_COMPILE_OPTIONS = "xla::ifrt::XlaCompileOptions"
+
+
+@dataclass
+class LoadedProgram:
+    """A session's handle on a compiled program (programs themselves are shared via the cache)."""
+
+    program: Program
+    deleted: bool = False
+    output_kinds: tuple[int, ...] = field(default=())
+
+
+def _assignment_devices(options) -> tuple[int, ...]:
+    """Device ids of a compile request, replica-major, from its ``DeviceAssignmentProto``."""
+    build = options.executable_build_options
+    if not build.HasField("device_assignment"):
+        raise InvalidRequest("the compile options carry no device assignment; the client must name the devices")
+    assignment = build.device_assignment
+    replicas, partitions = assignment.replica_count, assignment.computation_count
+    if len(assignment.computation_devices) != partitions or any(
+        len(c.replica_device_ids) != replicas for c in assignment.computation_devices
+    ):
+        raise InvalidRequest("the device assignment does not match its replica and partition counts")
+    return tuple(
+        assignment.computation_devices[p].replica_device_ids[r] for r in range(replicas) for p in range(partitions)
+    )
+
+
+@handles("compile_request")
+def compile_program(session, request, op_id):
+    """Compiles off the stream thread (or takes the shared cache) and replies when done."""
+    messages = session.messages
+    if request.program.type_name != XLA_PROGRAM:
+        raise Unimplemented(f"programs of type {request.program.type_name!r} are not supported; send an XlaProgram")
+    if request.compile_options.type_name != XLA_COMPILE_OPTIONS:
+        raise Unimplemented(f"compile options of type {request.compile_options.type_name!r} are not supported")
+    if request.host_callbacks:
+        raise Unimplemented(
+            "host callbacks (jax.debug.print, pure_callback, io_callback) cannot run through the "
+            "IFRT proxy; remove them from the jitted function"
+        )
+    try:
+        options = messages.ifrt.XlaCompileOptionsProto.FromString(request.compile_options.data).compile_options
+    except Exception as e:
+        raise InvalidRequest(f"malformed compile options: {e}") from e
+    device_ids = _assignment_devices(options)
+    unknown = [d for d in device_ids if d not in session.device_ids]
+    if unknown:
+        raise InvalidRequest(f"the program is assigned to devices {unknown}, which this session does not hold")
+    program_bytes = request.program.data
+    options_bytes = options.SerializeToString()
+    cache = session.context.compile_cache
+    key = CompileCache.key(program_bytes, options_bytes, device_ids)
+
+    def compile_now() -> Program:
+        program = cache.get(key)
+        if program is None:
+            program = session.runtime.compile(program_bytes, options_bytes, device_ids)
+            cache.put(key, program)
+        return program
+
+    def compiled(program: Program | None, error) -> None:
+        if error is not None:
+            session.reply_error(op_id, error)
+            return
+        handle = session.server_handle()
+        session.programs[handle] = LoadedProgram(
+            program, output_kinds=tuple(_output_kind(a) for a in program.signature.results)
+        )
+        ready = Pending()
+        ready.resolve(None)
+        response = messages.proxy.CompileResponse(
+            loaded_executable_handle=handle,
+            name=program.name,
+            num_devices=len(program.device_ids),
+            device_ids=program.device_ids,
+            addressable_device_ids=program.device_ids,
+            ready_future_handle=session.add_future(ready),
+        )
+        if program.fingerprint is not None:
+            response.fingerprint_value = program.fingerprint
+        session.reply(op_id, "compile_response", response)
+
+    session.in_background(compile_now, compiled, pool=session.context.compile_pool)
+    return DEFERRED
+
+
+def _output_kind(aval) -> int:
+    return dtypes.TOKEN_KIND if aval.is_token else dtypes.from_numpy(aval.dtype)
+
+
+@handles("loaded_executable_metadata_request")
+def metadata(session, request, op_id):
+    """Shardings, layouts, memory kinds and donations of a compiled program."""
+    program = session.program(request.loaded_executable_handle).program
+    proxy, xla = session.messages.proxy, session.messages.xla
+    response = proxy.LoadedExecutableMetadataResponse()
+    if program.parameter_op_shardings is not None:
+        for op in program.parameter_op_shardings:
+            response.parameter_shardings.shardings.add().ParseFromString(op)
+    if program.output_op_shardings is not None:
+        for op in program.output_op_shardings:
+            response.output_shardings.shardings.add().ParseFromString(op)
+    response.parameter_layouts_list.SetInParent()
+    for minor_to_major in program.parameter_layouts:
+        response.parameter_layouts_list.layouts.add(minor_to_major=minor_to_major)
+    response.output_layouts_list.SetInParent()
+    for minor_to_major in program.output_layouts:
+        response.output_layouts_list.layouts.add(minor_to_major=minor_to_major)
+    response.output_memory_kinds.memory_kind_lists.add(memory_kinds=program.output_memory_kinds)
+    response.donated_input_indices.donated_input_indices.extend(sorted(program.donated_args))
+    response.donated_input_indices.SetInParent()
+    response.compiled_memory_stats.CopyFrom(xla.CompiledMemoryStatsProto(**program.memory_stats))
+    response.size_of_generated_code_in_bytes = program.memory_stats.get("generated_code_size_in_bytes", 0)
+    return response
+
+
+@handles(
+    "loaded_executable_execute_request",
+    outputs=lambda r: r.result_array_handle,
+)
+def execute(session, request, op_id):
+    """Starts a program once its inputs exist; replies at once with (or without) output specs."""
+    loaded = session.program(request.loaded_executable_handle)
+    program = loaded.program
+    if loaded.deleted:
+        raise InvalidRequest(f"loaded executable {request.loaded_executable_handle} was deleted")
+    inputs = session.records(request.args_handles)
+    options = request.execute_options
+    if request.result_status_handle and not options.fill_status:
+        raise InvalidRequest("result_status_handle is set but execute_options.fill_status is not")
+    if request.device_ids and tuple(request.device_ids) != program.device_ids:
+        raise InvalidRequest(
+            f"the program was compiled for devices {list(program.device_ids)}; "
+            f"it cannot run on {list(request.device_ids)}"
+        )
+    results = program.signature.results
+    client_handles = list(request.result_array_handle)
+    if client_handles and len(client_handles) != len(results):
+        raise InvalidRequest(f"{len(client_handles)} result handles for a program with {len(results)} results")
+    outputs = [
+        ArrayRecord(kind, aval.shape, sharding)
+        for kind, aval, sharding in zip(loaded.output_kinds, results, program.output_shardings, strict=True)
+    ]
+    output_handles = client_handles or [session.server_handle() for _ in outputs]
+    for handle, record in zip(output_handles, outputs, strict=True):
+        session.add_array(handle, record)
+    keep = frozenset(options.non_donatable_input_indices)
+    donated = [inputs[i] for i in program.donated_args if i not in keep and i < len(inputs)]
+
+    def run() -> None:
+        values = session.runtime.execute(program, [record.value for record in inputs], keep)
+        for record, value in zip(outputs, values, strict=True):
+            record.set(value)
+        for record in donated:
+            record.deleted = True
+
+    status = Pending() if options.fill_status else None
+    session.after(inputs, run, outputs=outputs, on_error=status.fail if status else None)
+    response = session.messages.proxy.LoadedExecutableExecuteResponse()
+    if status is not None:
+        _finish_when_computed(session, outputs, status)
+        response.status_handle = session.add_future(status, request.result_status_handle or None)
+    if not client_handles:
+        for handle, record in zip(output_handles, outputs, strict=True):
+            out = response.outputs.add(array_handle=handle)
+            out.dtype.kind = record.kind
+            out.shape.dims.extend(record.shape)
+            out.sharding.CopyFrom(record.sharding.to_proto())
+    return response
+
+
+def _finish_when_computed(session, outputs: list[ArrayRecord], status: Pending) -> None:
+    """Resolves ``status`` once every output is computed (or with the first failure)."""
+
+    def wait():
+        for record in outputs:
+            record.value.block_until_ready()
+
+    session.after(
+        outputs, lambda: session.in_background(wait, lambda _r, e: status.fail(e) if e else status.resolve(None))
+    )
+
+
+@handles("loaded_executable_fetch_execute_result_request")
+def fetch_execute_result(session, request, op_id):
+    """Replies when the execution whose status handle is given has finished."""
+    pending = session.take_future(request.result_status_handle)
+
+    def done(_value, error):
+        with session.lock:
+            if error is not None:
+                session.reply_error(op_id, error)
+            else:
+                session.reply(
+                    op_id,
+                    "loaded_executable_fetch_execute_result_response",
+                    session.messages.proxy.LoadedExecutableFetchExecuteResultResponse(),
+                )
+
+    pending.on_done(done)
+    return DEFERRED
+
+
+@handles("loaded_executable_cost_analysis_request")
+def cost_analysis(session, request, op_id):
+    """XLA's cost estimate; failures go in the body, which the client requires."""
+    program = session.program(request.loaded_executable_handle).program
+    response = session.messages.proxy.LoadedExecutableCostAnalysisResponse()
+    try:
+        costs = {key: float(value) for key, value in program.executable.cost_analysis().items()}
+        attributes.fill(response.attributes, costs)
+        response.attributes.SetInParent()
+    except Exception as e:  # noqa: BLE001 - reported to the client in the body
+        response.status.code = 12
+        response.status.message = f"cost analysis is unavailable for this program: {e}"
+    return response
+
+
+@handles("loaded_executable_human_readable_program_text_request")
+def program_text(session, request, op_id):
+    """The optimized HLO of the program (``compiled.as_text()``)."""
+    program = session.program(request.loaded_executable_handle).program
+    text = "\n\n".join(module.to_string() for module in program.executable.hlo_modules())
+    return session.messages.proxy.LoadedExecutableHumanReadableProgramTextResponse(human_readable_program_text=text)
+
+
+@handles("loaded_executable_delete_request")
+def delete_program(session, request, op_id):
+    session.program(request.loaded_executable_handle).deleted = True
+    done = Pending()
+    done.resolve(None)
+    return session.messages.proxy.LoadedExecutableDeleteResponse(future_handle=session.add_future(done))
+
+
+@handles("loaded_executable_is_deleted_request")
+def is_program_deleted(session, request, op_id):
+    deleted = session.program(request.loaded_executable_handle).deleted
+    return session.messages.proxy.LoadedExecutableIsDeletedResponse(is_deleted=deleted)
+
+
+@handles("loaded_executable_destruct_request")
+def destruct_program(session, request, op_id):
+    """Drops the session's handle; running executions and their results stay valid."""
+    session.program(request.loaded_executable_handle)
+    del session.programs[request.loaded_executable_handle]
+    return session.messages.proxy.LoadedExecutableDestructResponse()

@@ -1,0 +1,111 @@
+"""Requests about the session itself: devices, layouts, futures."""
+
+from __future__ import annotations
+
+import socket
+
+from pathways_nb import __version__
+from pathways_nb.protocol import attributes, dtypes
+from pathways_nb.protocol.errors import InvalidRequest
+from pathways_nb.proxy.dispatch import DEFERRED, handles
+from pathways_nb.proxy.versions import DEVICE_PLATFORM_NAME
+
+RUNTIME_TYPE = "pathways-nb"
+
+
+@handles("init_request")
+def init(session, request, op_id):
+    """Describes the devices of the session's allocation: the client's ``jax.devices()``."""
+    runtime = session.runtime
+    response = session.messages.proxy.InitResponse(
+        session_id=session.session_id,
+        platform_name=runtime.platform,
+        platform_version=runtime.platform_version,
+        process_index=0,
+        runtime_type=RUNTIME_TYPE,
+    )
+    for device_id in session.device_ids:
+        device = runtime.device(device_id)
+        memory_ids = _memory_ids(session, device_id)
+        proto = response.all_devices.add(
+            id=device_id,
+            local_device_id=device_id,
+            local_hardware_id=device.local_hardware_id if device.local_hardware_id is not None else device_id,
+            device_kind=device.device_kind,
+            default_memory_id=memory_ids[0],
+            memory_ids=memory_ids,
+            # The stock client's repr() shows to_string and str() shows debug_string.
+            debug_string=str(device),
+            to_string=repr(device),
+        )
+        if session.version.protocol_version >= DEVICE_PLATFORM_NAME:
+            proto.platform_name = runtime.platform
+        attributes.fill(proto.attributes, session.device_attributes.get(device_id) or _default_attributes(device))
+        for memory_id, kind in zip(memory_ids, runtime.memory_kinds(device), strict=True):
+            response.memories.add(
+                id=memory_id,
+                memory_space_kind=kind,
+                kind_id=memory_id % len(_KINDS_ORDER),
+                device_ids=[device_id],
+                debug_string=f"{kind.upper()}_{memory_id}",
+                to_string=f"{kind}:{device_id}",
+            )
+    response.primary_device_ids.extend(session.device_ids)
+    response.addressable_device_ids.extend(session.device_ids)
+    attributes.fill(response.client_attributes, {"pathways_nb_version": __version__})
+    return response
+
+
+_KINDS_ORDER = ("device", "pinned_host", "unpinned_host")
+
+
+def _memory_ids(session, device_id: int) -> list[int]:
+    kinds = session.runtime.memory_kinds(session.runtime.device(device_id))
+    return [device_id * len(_KINDS_ORDER) + _KINDS_ORDER.index(kind) for kind in kinds if kind in _KINDS_ORDER]
+
+
+def _default_attributes(device) -> dict:
+    return {"slice_index": 0, "host": socket.gethostname()}
+
+
+@handles("check_future_request")
+def check_future(session, request, op_id):
+    """Replies once the future is done; each future handle is checked once."""
+    pending = session.take_future(request.future_handle)
+
+    def done(_value, error):
+        with session.lock:
+            if error is not None:
+                session.reply_error(op_id, error)
+            else:
+                session.reply(op_id, "check_future_response", session.messages.proxy.CheckFutureResponse())
+
+    pending.on_done(done)
+    return DEFERRED
+
+
+@handles("get_default_layout_request")
+def get_default_layout(session, request, op_id):
+    """The layout an array of this dtype and shape gets on a device (PjRtLayout's serialized form)."""
+    dtype = dtypes.to_numpy(request.dtype.kind)
+    if any(d < 0 for d in request.dims):
+        raise InvalidRequest(f"negative dimension in {list(request.dims)}")
+    layout = session.runtime.default_layout(dtype, request.dims, request.device_id)
+    return session.messages.proxy.GetDefaultLayoutResponse(serialized_pjrt_layout=layout)
+
+
+@handles("get_default_device_assignment_request")
+def get_default_device_assignment(session, request, op_id):
+    """The first ``replicas x partitions`` devices of the session, replica-major."""
+    replicas, partitions = request.num_replicas, request.num_partitions
+    if replicas * partitions > len(session.device_ids) or replicas < 1 or partitions < 1:
+        raise InvalidRequest(
+            f"a device assignment of {replicas} replicas x {partitions} partitions needs "
+            f"{replicas * partitions} devices; this session has {len(session.device_ids)}"
+        )
+    assignment = session.messages.xla.DeviceAssignmentProto(replica_count=replicas, computation_count=partitions)
+    for partition in range(partitions):
+        assignment.computation_devices.add(
+            replica_device_ids=[session.device_ids[r * partitions + partition] for r in range(replicas)]
+        )
+    return session.messages.proxy.GetDefaultDeviceAssignmentResponse(device_assignment=assignment)

@@ -1,0 +1,273 @@
+"""One client connection: its arrays, programs and futures, and the serving of its requests.
+
+Requests are served in arrival order on the thread that reads the stream, and
+none of them waits: work whose inputs are not ready is chained onto them
+(``after``), and work that must wait for a device runs on the shared wait
+pool (``in_background``). Both finish under the session lock and reply
+through ``reply``, which may send replies out of order, as the protocol allows.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Executor
+from typing import Any
+
+from pathways_nb.protocol import schema
+from pathways_nb.protocol.errors import Internal, InvalidRequest, NotFound, RequestError, Unimplemented
+from pathways_nb.proxy import dispatch
+from pathways_nb.proxy.context import ProxyContext
+from pathways_nb.proxy.host_buffers import HostBuffers
+from pathways_nb.proxy.pending import Pending, when_all
+from pathways_nb.proxy.records import ArrayRecord
+from pathways_nb.proxy.versions import Negotiated
+
+_LOGGER = logging.getLogger(__name__)
+
+# Handles the server makes start here; the client keeps its own below 2**48.
+SERVER_HANDLE_BASE = 1 << 48
+
+_STATUS_NAMES = {
+    "CANCELLED": 1,
+    "UNKNOWN": 2,
+    "INVALID_ARGUMENT": 3,
+    "DEADLINE_EXCEEDED": 4,
+    "NOT_FOUND": 5,
+    "ALREADY_EXISTS": 6,
+    "PERMISSION_DENIED": 7,
+    "RESOURCE_EXHAUSTED": 8,
+    "FAILED_PRECONDITION": 9,
+    "ABORTED": 10,
+    "OUT_OF_RANGE": 11,
+    "UNIMPLEMENTED": 12,
+    "INTERNAL": 13,
+    "UNAVAILABLE": 14,
+    "DATA_LOSS": 15,
+    "UNAUTHENTICATED": 16,
+}
+
+
+def as_request_error(error: BaseException) -> RequestError:
+    """Any failure as a ``RequestError``; XLA's ``"CODE: message"`` keeps its code."""
+    if isinstance(error, RequestError):
+        return error
+    message = str(error)
+    name, _, rest = message.partition(": ")
+    if name in _STATUS_NAMES and rest:
+        converted = RequestError(rest)
+        converted.code = _STATUS_NAMES[name]
+        return converted
+    _LOGGER.error("unexpected server error", exc_info=error)
+    return Internal(f"{type(error).__name__}: {message}")
+
+
+class Session:
+    """The server side of one ``IfrtSession`` stream."""
+
+    def __init__(
+        self,
+        session_id: int,
+        version: Negotiated,
+        context: ProxyContext,
+        device_ids: Sequence[int],
+        send: Callable[[Any], None],
+        init_attributes: dict | None = None,
+    ):
+        self.session_id = session_id
+        self.version = version
+        self.context = context
+        self.runtime = context.runtime
+        self.device_ids = tuple(device_ids)
+        # What the client sent as ClientConnectionOptions.initialization_data.
+        self.init_attributes = init_attributes or {}
+        # Attributes each device shows the client (d.slice_index, d.host, ...), by device id.
+        self.device_attributes: dict[int, dict] = {}
+        self.messages = schema.load()
+        self.host_buffers = HostBuffers(context.deadlines, context.limits.host_buffer_timeout_s)
+        self.arrays: dict[int, ArrayRecord] = {}
+        self.programs: dict[int, Any] = {}
+        self.futures: dict[int, Pending] = {}
+        self.lock = threading.RLock()
+        self.closed = False
+        self._send = send
+        self._server_handles = itertools.count(SERVER_HANDLE_BASE)
+        self.requests_served = 0
+
+    # -- serving ---------------------------------------------------------------------------
+
+    def handle(self, request) -> None:
+        """Serves one ``IfrtRequest``; its reply goes out now or later."""
+        op_id = request.request_metadata.op_id
+        kind = request.WhichOneof("request")
+        handler = dispatch.HANDLERS.get(kind) if kind else None
+        if _LOGGER.isEnabledFor(logging.DEBUG):
+            _LOGGER.debug("session %d op %d: %s", self.session_id, op_id, _short(request))
+        with self.lock:
+            self.requests_served += 1
+            if handler is None:
+                self.reply_error(op_id, Unimplemented(_unimplemented_message(kind)))
+                return
+            body = getattr(request, kind)
+            try:
+                result = handler.function(self, body, op_id)
+            except Exception as error:  # noqa: BLE001 - every failure becomes the reply's status
+                failure = as_request_error(error)
+                if handler.outputs is not None:
+                    self.fail_handles(handler.outputs(body), failure)
+                self.reply_error(op_id, failure)
+                return
+            if result is not dispatch.DEFERRED:
+                self.reply(op_id, handler.response_field, result)
+
+    def reply(self, op_id: int, field: str, body) -> None:
+        response = self.messages.proxy.IfrtResponse()
+        response.response_metadata.op_id = op_id
+        getattr(response, field).CopyFrom(body)
+        self._send(response)
+
+    def reply_error(self, op_id: int, error: BaseException) -> None:
+        failure = as_request_error(error)
+        response = self.messages.proxy.IfrtResponse()
+        response.response_metadata.op_id = op_id
+        response.response_metadata.status.code = failure.code
+        response.response_metadata.status.message = failure.message
+        self._send(response)
+
+    # -- handles ---------------------------------------------------------------------------
+
+    def server_handle(self) -> int:
+        return next(self._server_handles)
+
+    def record(self, handle: int) -> ArrayRecord:
+        try:
+            return self.arrays[handle]
+        except KeyError:
+            raise NotFound(
+                f"unknown array handle {handle} in session {self.session_id}: the array was "
+                "destroyed, or belongs to another session"
+            ) from None
+
+    def records(self, handles: Iterable[int]) -> list[ArrayRecord]:
+        return [self.record(handle) for handle in handles]
+
+    def add_array(self, handle: int, record: ArrayRecord) -> int:
+        if handle == 0:
+            raise InvalidRequest("0 is not a valid array handle")
+        if handle in self.arrays:
+            raise InvalidRequest(f"array handle {handle} is already in use in this session")
+        self.arrays[handle] = record
+        return handle
+
+    def fail_handles(self, handles: Iterable[int], error: RequestError) -> None:
+        """Makes each client-chosen handle hold ``error`` (used when its request failed)."""
+        for handle in handles:
+            record = self.arrays.get(handle)
+            if record is None:
+                self.arrays[handle] = ArrayRecord.failed(0, (), _NO_SHARDING, error)
+            elif not record.ready:
+                record.fail(error)
+
+    def program(self, handle: int):
+        try:
+            return self.programs[handle]
+        except KeyError:
+            raise NotFound(f"unknown loaded executable handle {handle} in session {self.session_id}") from None
+
+    def add_future(self, pending: Pending, handle: int | None = None) -> int:
+        handle = handle or self.server_handle()
+        self.futures[handle] = pending
+        return handle
+
+    def take_future(self, handle: int) -> Pending:
+        try:
+            return self.futures.pop(handle)
+        except KeyError:
+            raise NotFound(f"unknown future handle {handle}; each future can be checked once") from None
+
+    # -- chaining work ---------------------------------------------------------------------
+
+    def after(
+        self,
+        inputs: Sequence[ArrayRecord],
+        work: Callable[[], None],
+        outputs: Sequence[ArrayRecord] = (),
+        on_error: Callable[[RequestError], None] | None = None,
+    ) -> None:
+        """Runs ``work`` (under the session lock) once every input has its value.
+
+        If an input failed, or ``work`` raises, each output record and
+        ``on_error`` receive the error.
+        """
+
+        def run(input_error: BaseException | None) -> None:
+            with self.lock:
+                try:
+                    if input_error is not None:
+                        raise input_error
+                    work()
+                except Exception as error:  # noqa: BLE001 - delivered to the dependents
+                    failure = as_request_error(error)
+                    for record in outputs:
+                        if not record.ready:
+                            record.fail(failure)
+                    if on_error is not None:
+                        on_error(failure)
+
+        if all(record.ready for record in inputs):
+            errors = [record.error for record in inputs if record.error is not None]
+            run(errors[0] if errors else None)
+        else:
+            when_all([record.pending for record in inputs], run)
+
+    def in_background(
+        self,
+        work: Callable[[], Any],
+        done: Callable[[Any, RequestError | None], None],
+        pool: Executor | None = None,
+    ) -> None:
+        """Runs blocking ``work`` on ``pool`` (the wait pool), then ``done(result, error)`` under the lock."""
+
+        def run() -> None:
+            try:
+                result, error = work(), None
+            except Exception as failure:  # noqa: BLE001 - delivered to ``done``
+                result, error = None, as_request_error(failure)
+            with self.lock:
+                if not self.closed:
+                    done(result, error)
+
+        (pool or self.context.wait_pool).submit(run)
+
+    # -- ending ----------------------------------------------------------------------------
+
+    def close(self, reason: str) -> None:
+        """Frees everything the session holds; late replies are dropped."""
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            arrays, self.arrays = self.arrays, {}
+            self.programs.clear()
+            futures, self.futures = self.futures, {}
+        self.host_buffers.close(reason)
+        for record in arrays.values():
+            if record.value is not None and not record.value.is_deleted():
+                record.value.delete()
+        del futures
+
+
+def _short(request) -> str:
+    text = str(request).replace("\n", " ")
+    return text if len(text) < 400 else text[:400] + "..."
+
+
+def _unimplemented_message(kind: str | None) -> str:
+    if kind is None:
+        return "the request names no operation; this server needs a request from the IFRT proxy client"
+    return f"{kind} is not implemented by the pathways-nb proxy server"
+
+
+_NO_SHARDING = None  # failed placeholders carry no sharding

@@ -1,0 +1,359 @@
+"""The XLA devices of one process and what the proxy asks of them.
+
+``LocalRuntime`` wraps the process's own jaxlib client: it compiles StableHLO
+for a list of its devices, turns host bytes into device arrays, runs programs
+and reads arrays back. Arrays are ``jax.Array`` values, which are futures
+already: ``execute`` returns before the device has finished, and a failure
+inside XLA surfaces when the result is read. It relies on jaxlib internals
+(``compile_and_load``, ``execute_sharded``, result handlers), which is why the
+server pins jaxlib.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from pathways_nb.protocol import schema
+from pathways_nb.protocol.errors import FailedPrecondition, InvalidRequest, NotFound, ResourceExhausted
+from pathways_nb.protocol.shardings import IfrtSharding
+from pathways_nb.worker import signature as program_signature
+
+_LOGGER = logging.getLogger(__name__)
+
+MEMORY_KINDS = ("device", "pinned_host", "unpinned_host")
+
+
+def configure_jax(platform: str | None, num_devices: int | None) -> None:
+    """Points this process's JAX at local devices (never at a proxy) before first use."""
+    import jax
+
+    if platform in (None, "", "auto"):
+        platform = ""
+    if "proxy" in platform.split(","):
+        raise ValueError("a worker runs on local devices; choose cpu, cuda, rocm or tpu, not proxy")
+    os.environ.pop("JAX_BACKEND_TARGET", None)
+    jax.config.update("jax_platforms", platform or None)
+    if num_devices is not None:
+        jax.config.update("jax_num_cpu_devices", num_devices)
+
+
+@dataclass(frozen=True, slots=True)
+class Program:
+    """A compiled program and what the proxy reports about it."""
+
+    executable: object  # jaxlib LoadedExecutable
+    device_ids: tuple[int, ...]
+    signature: program_signature.Signature
+    output_shardings: tuple[IfrtSharding, ...]
+    # Serialized xla.OpSharding per parameter / output, as XLA reports them (None: single device).
+    parameter_op_shardings: tuple[bytes, ...] | None
+    output_op_shardings: tuple[bytes, ...] | None
+    parameter_layouts: tuple[tuple[int, ...], ...]
+    output_layouts: tuple[tuple[int, ...], ...]
+    output_memory_kinds: tuple[str, ...]
+    memory_stats: dict[str, int]
+    donated_args: frozenset[int]
+    result_handlers: tuple
+    name: str
+    fingerprint: bytes | None
+
+
+class LocalRuntime:
+    """This process's XLA devices, addressed by their jaxlib device ids."""
+
+    def __init__(self, platform: str | None = None, num_devices: int | None = None):
+        configure_jax(platform, num_devices)
+        import jax
+
+        self.devices = sorted(jax.local_devices(), key=lambda d: d.id)
+        self.client = self.devices[0].client
+        self._by_id = {d.id: d for d in self.devices}
+
+    # -- devices ---------------------------------------------------------------------------
+
+    @property
+    def platform(self) -> str:
+        return self.client.platform
+
+    @property
+    def platform_version(self) -> str:
+        return self.client.platform_version
+
+    def device(self, device_id: int):
+        try:
+            return self._by_id[device_id]
+        except KeyError:
+            known = ", ".join(str(i) for i in self._by_id)
+            raise NotFound(f"device {device_id} is not one of this server's devices ({known})") from None
+
+    def memory_kinds(self, device) -> list[str]:
+        """Memory kinds of ``device`` that the proxy reports, default first."""
+        kinds = [m.kind for m in device.addressable_memories()]
+        default = device.default_memory().kind
+        return [default] + [k for k in kinds if k != default]
+
+    def default_layout(self, dtype: np.dtype, dims: Sequence[int], device_id: int) -> bytes:
+        """How the device stores an array of this shape, serialized as the IFRT client reads it."""
+        layout = self.client.get_default_layout(dtype, tuple(dims), self.device(device_id))
+        (serialized,) = layout.__getstate__()
+        return serialized
+
+    # -- shardings -------------------------------------------------------------------------
+
+    @functools.lru_cache(maxsize=4096)  # noqa: B019 - the runtime lives as long as the process
+    def jax_sharding(self, sharding: IfrtSharding):
+        """The ``jax.sharding.Sharding`` that places shards where ``sharding`` says."""
+        from jax._src.lib import xla_client as xc
+        from jax._src.sharding_impls import GSPMDSharding
+        from jax.sharding import SingleDeviceSharding
+
+        devices = [self.device(i) for i in sharding.device_ids]
+        if len(set(sharding.device_ids)) != len(devices):
+            raise InvalidRequest(f"a sharding lists a device twice: {list(sharding.device_ids)}")
+        memory_kind = sharding.memory_kind or None
+        if memory_kind is not None and memory_kind not in self.memory_kinds(devices[0]):
+            raise InvalidRequest(
+                f"memory kind {memory_kind!r} does not exist on {devices[0]}; "
+                f"use one of {self.memory_kinds(devices[0])}"
+            )
+        if sharding.is_single_device:
+            return SingleDeviceSharding(devices[0], memory_kind=memory_kind)
+        if sharding.op_sharding is None:
+            return GSPMDSharding(devices, xc.HloSharding.replicate(), memory_kind=memory_kind)
+        op = xc.OpSharding()
+        op.ParseFromString(sharding.op_sharding)
+        hlo = xc.HloSharding.from_proto(op)
+        if hlo.is_tiled() and hlo.num_devices() != len(devices):
+            raise InvalidRequest(f"an OpSharding for {hlo.num_devices()} devices was sent with {len(devices)} devices")
+        return GSPMDSharding(devices, op, memory_kind=memory_kind)
+
+    # -- arrays ----------------------------------------------------------------------------
+
+    def put(self, host: np.ndarray, sharding: IfrtSharding):
+        """A device array holding ``host`` (the global value), laid out by ``sharding``."""
+        import jax
+
+        return _device_errors(jax.device_put, host, self.jax_sharding(sharding))
+
+    def put_shards(self, shape: tuple[int, ...], sharding: IfrtSharding, shards: Sequence[np.ndarray]):
+        """A device array from one host buffer per device of ``sharding`` (in its order)."""
+        import jax
+
+        if len(shards) != len(sharding.device_ids):
+            raise InvalidRequest(f"{len(shards)} shards given for {len(sharding.device_ids)} devices")
+        singles = [
+            _device_errors(jax.device_put, shard, self.device(device_id))
+            for shard, device_id in zip(shards, sharding.device_ids, strict=True)
+        ]
+        return self.assemble(shape, sharding, singles)
+
+    def assemble(self, shape: tuple[int, ...], sharding: IfrtSharding, singles: Sequence):
+        """One array from single-device arrays, one per device of ``sharding`` (in its order)."""
+        import jax
+
+        if len(singles) != len(sharding.device_ids):
+            raise InvalidRequest(
+                f"{len(singles)} single-device arrays given for a sharding over {len(sharding.device_ids)} devices"
+            )
+        target = self.jax_sharding(sharding)
+        for single, device_id in zip(singles, sharding.device_ids, strict=True):
+            (device,) = single.devices()
+            if device.id != device_id:
+                raise InvalidRequest(
+                    f"shard for device {device_id} lives on device {device.id}; "
+                    "assemble shards in the order of the sharding's devices"
+                )
+        expected = target.shard_shape(shape)
+        for single in singles:
+            if single.shape != expected:
+                raise InvalidRequest(f"shard of shape {single.shape} where the sharding needs {expected}")
+        try:
+            return jax.make_array_from_single_device_arrays(shape, target, list(singles))
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from e
+
+    def disassemble(self, array, sharding: IfrtSharding) -> list:
+        """The single-device arrays of ``array``, in the order of ``sharding``'s devices."""
+        by_device = {shard.device.id: shard.data for shard in array.addressable_shards}
+        return [by_device[device_id] for device_id in sharding.device_ids]
+
+    def copy(self, array, sharding: IfrtSharding):
+        """``array``'s value laid out by ``sharding`` (other devices, memory or partitioning)."""
+        import jax
+
+        return _device_errors(jax.device_put, array, self.jax_sharding(sharding), may_alias=False)
+
+    def to_host(self, array) -> np.ndarray:
+        """The global value of ``array`` on the host; waits for the device."""
+        return np.asarray(array)
+
+    # -- programs --------------------------------------------------------------------------
+
+    def compile(self, program: bytes, compile_options: bytes, device_ids: Sequence[int]) -> Program:
+        """Compiles a StableHLO artifact for ``device_ids`` with serialized ``xla.CompileOptionsProto``."""
+        from jax._src import core
+        from jax._src.lib import xla_client as xc
+
+        signature = program_signature.read(program)
+        devices = [self.device(i) for i in device_ids]
+        options = xc.CompileOptions.ParseFromString(compile_options)
+        executable = _device_errors(self.client.compile_and_load, program, xc.DeviceList(tuple(devices)), options)
+        device_ids = tuple(device_ids)
+        parameter_ops = _serialized(executable.get_parameter_shardings())
+        output_ops = _serialized(executable.get_output_shardings())
+        output_shardings = _shardings(output_ops, device_ids, len(signature.results))
+        memory_kinds = tuple(executable.get_output_memory_kinds()[0]) if signature.results else ()
+        handlers = []
+        for aval, sharding, kind in zip(signature.results, output_shardings, memory_kinds, strict=True):
+            if aval.is_token:
+                handlers.append(None)
+                continue
+            jax_sharding = self.jax_sharding(
+                IfrtSharding(sharding.device_ids, None if kind == "device" else kind, sharding.op_sharding)
+            )
+            handlers.append(
+                xc.array_result_handler(
+                    core.ShapedArray(aval.shape, aval.dtype), jax_sharding, committed=True, _skip_checks=True
+                )
+            )
+        try:
+            fingerprint = executable.fingerprint
+        except Exception:  # noqa: BLE001 - not every backend has fingerprints
+            fingerprint = None
+        return Program(
+            executable=executable,
+            device_ids=device_ids,
+            signature=signature,
+            output_shardings=output_shardings,
+            parameter_op_shardings=parameter_ops,
+            output_op_shardings=output_ops,
+            parameter_layouts=tuple(_minor_to_major(layout) for layout in executable.get_parameter_layouts()),
+            output_layouts=tuple(_minor_to_major(layout) for layout in executable.get_output_layouts()),
+            output_memory_kinds=memory_kinds,
+            memory_stats=_memory_stats(executable),
+            donated_args=_donated_parameters(executable),
+            result_handlers=tuple(handlers),
+            name=executable.hlo_modules()[0].name,
+            fingerprint=fingerprint,
+        )
+
+    def execute(self, program: Program, args: Sequence, keep: frozenset[int] = frozenset()) -> list:
+        """Starts ``program`` on ``args``; returns its results as arrays that fill in later.
+
+        Arguments the program donates are consumed, except those in ``keep``,
+        which are copied first so the caller's array stays alive.
+        """
+        self._check_args(program, args)
+        args = list(args)
+        for index in keep & program.donated_args:
+            args[index] = self.copy(args[index], _sharding_of(args[index]))
+        results = _device_errors(program.executable.execute_sharded, args)
+        if any(handler is None for handler in program.result_handlers):
+            raise InvalidRequest("programs that return tokens are not supported by this server")
+        return results.consume_with_handlers(list(program.result_handlers))
+
+    def _check_args(self, program: Program, args: Sequence) -> None:
+        """Refuses arguments XLA would crash on (wrong count, type or devices)."""
+        expected = program.signature.args
+        if len(args) != len(expected):
+            raise InvalidRequest(f"program {program.name} takes {len(expected)} arguments, got {len(args)}")
+        wanted_devices = set(program.device_ids)
+        for index, (arg, aval) in enumerate(zip(args, expected, strict=True)):
+            if arg.is_deleted():
+                raise FailedPrecondition(
+                    f"argument {index} of {program.name} was deleted or donated to an earlier program"
+                )
+            if aval.is_token:
+                continue
+            if arg.shape != aval.shape or arg.dtype != aval.dtype:
+                raise InvalidRequest(
+                    f"argument {index} of {program.name} is {arg.dtype}{list(arg.shape)}, "
+                    f"the program takes {aval.dtype}{list(aval.shape)}"
+                )
+            devices = {d.id for d in arg.devices()}
+            if devices != wanted_devices:
+                raise InvalidRequest(
+                    f"argument {index} of {program.name} is on devices {sorted(devices)}, "
+                    f"the program runs on {sorted(wanted_devices)}; move it first (jax.device_put)"
+                )
+
+
+def _sharding_of(array) -> IfrtSharding:
+    devices = tuple(d.id for d in array.sharding._device_assignment)
+    op = array.sharding._to_xla_hlo_sharding(array.ndim).to_proto()
+    return IfrtSharding(devices, array.sharding.memory_kind, op.SerializeToString())
+
+
+def _serialized(op_shardings) -> tuple[bytes, ...] | None:
+    return None if op_shardings is None else tuple(op.SerializeToString() for op in op_shardings)
+
+
+def _shardings(
+    op_shardings: tuple[bytes, ...] | None, device_ids: tuple[int, ...], count: int
+) -> tuple[IfrtSharding, ...]:
+    if op_shardings is None or len(device_ids) == 1:
+        return tuple(IfrtSharding(device_ids) for _ in range(count))
+    from jax._src.lib import xla_client as xc
+
+    result = []
+    for serialized in op_shardings:
+        op = xc.OpSharding()
+        op.ParseFromString(serialized)
+        replicated = xc.HloSharding.from_proto(op).is_replicated()
+        result.append(IfrtSharding(device_ids, None, None if replicated else serialized))
+    return tuple(result)
+
+
+def _minor_to_major(layout) -> tuple[int, ...]:
+    return tuple(layout._xla_layout().minor_to_major())
+
+
+_MEMORY_STATS_FIELDS = (
+    "generated_code_size_in_bytes",
+    "argument_size_in_bytes",
+    "output_size_in_bytes",
+    "alias_size_in_bytes",
+    "temp_size_in_bytes",
+    "peak_memory_in_bytes",
+    "host_generated_code_size_in_bytes",
+    "host_argument_size_in_bytes",
+    "host_output_size_in_bytes",
+    "host_alias_size_in_bytes",
+    "host_temp_size_in_bytes",
+)
+
+
+def _memory_stats(executable) -> dict[str, int]:
+    stats = executable.get_compiled_memory_stats()
+    return {name: int(getattr(stats, name)) for name in _MEMORY_STATS_FIELDS}
+
+
+def _donated_parameters(executable) -> frozenset[int]:
+    """Parameters the compiled program may consume (input/output aliases and buffer donors)."""
+    module = schema.load().xla.HloModuleProto.FromString(executable.hlo_modules()[0].as_serialized_hlo_module_proto())
+    donated = {entry.parameter_number for entry in module.input_output_alias.entries}
+    donated.update(entry.parameter_number for entry in module.buffer_donor.entries)
+    return frozenset(donated)
+
+
+def _device_errors(function, *args, **kwargs):
+    """Calls into XLA, turning its errors into request errors with XLA's own message."""
+    from jax.errors import JaxRuntimeError
+
+    try:
+        return function(*args, **kwargs)
+    except JaxRuntimeError as e:
+        message = str(e)
+        if message.startswith("RESOURCE_EXHAUSTED"):
+            raise ResourceExhausted(
+                f"{message}. The device is full: delete arrays you no longer need (x.delete()) or use smaller batches"
+            ) from e
+        if message.startswith("INVALID_ARGUMENT"):
+            raise InvalidRequest(message) from e
+        raise FailedPrecondition(message) from e
