@@ -104,10 +104,14 @@ def current() -> Connection | None:
 
 
 def _restore(previous: _Previous) -> None:
+    import gc
+
     import jax
     from jax.extend import backend
 
+    # Drop compiled programs while the connection is up, so they are released cleanly.
+    jax.clear_caches()
+    gc.collect()
     backend.clear_backends()
     jax.config.update("jax_platforms", previous.platforms)
     jax.config.update("jax_backend_target", previous.backend_target)
-    jax.clear_caches()

@@ -23,11 +23,13 @@ class Deadline:
 
     def __init__(self, when: float, callback: Callable[[], None]):
         self.when = when
-        self.callback = callback
+        self.callback: Callable[[], None] | None = callback
         self.cancelled = False
 
     def cancel(self) -> None:
+        """Drops the callback now (and what it holds); the heap entry goes at its time."""
         self.cancelled = True
+        self.callback = None
 
 
 class Deadlines:
@@ -64,8 +66,9 @@ class Deadlines:
                 if self._closed:
                     return
                 _, _, deadline = heapq.heappop(self._heap)
-            if not deadline.cancelled:
+            callback = deadline.callback
+            if callback is not None:
                 try:
-                    deadline.callback()
+                    callback()
                 except Exception:
                     _LOGGER.exception("deadline callback failed")

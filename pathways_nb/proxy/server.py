@@ -1,10 +1,14 @@
-"""Starting and stopping an IFRT proxy server (``pathways-nb proxy``)."""
+"""Starting and stopping an IFRT proxy server (``pathways-nb proxy``).
+
+The gRPC server runs on its own asyncio loop in a background thread, so the
+API here is plain blocking calls usable from scripts, tests and notebooks.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -20,7 +24,7 @@ UNLIMITED_MESSAGES = [("grpc.max_send_message_length", -1), ("grpc.max_receive_m
 
 
 class ProxyServer:
-    """An IFRT proxy server on ``host:port`` (port 0 picks a free one), started on construction."""
+    """An IFRT proxy server on ``host:port`` (port 0 picks a free one), serving once constructed."""
 
     def __init__(
         self,
@@ -29,25 +33,37 @@ class ProxyServer:
         host: str = "127.0.0.1",
         limits: ProxyLimits | None = None,
         device_plan: DevicePlan | None = None,
-        max_sessions: int = 64,
     ):
         self.context = ProxyContext(runtime, limits)
         self.service = IfrtProxyService(self.context, device_plan)
-        # One handler thread per open session stream, plus room for host-buffer calls.
-        self._server = grpc.server(
-            ThreadPoolExecutor(max_sessions * 2, thread_name_prefix="pathways-grpc"), options=UNLIMITED_MESSAGES
-        )
-        self._server.add_generic_rpc_handlers((self.service.generic_handler(),))
-        self._health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        self.port = self._server.add_insecure_port(f"{host}:{port}")
-        if self.port == 0:
-            raise OSError(f"cannot listen on {host}:{port}; is the port in use?")
         self.host = host
-        self._server.start()
-        self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-        self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         self._stopped = threading.Event()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="pathways-proxy-loop", daemon=True)
+        self._thread.start()
+        try:
+            self.port = self._call(self._start(host, port))
+        except BaseException:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self.context.close()
+            raise
+
+    async def _start(self, host: str, port: int) -> int:
+        self._server = grpc.aio.server(options=UNLIMITED_MESSAGES)
+        self._server.add_generic_rpc_handlers((self.service.generic_handler(),))
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        bound = self._server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            raise OSError(f"cannot listen on {host}:{port}; is the port in use?")
+        await self._server.start()
+        await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        return bound
+
+    def _call(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     @property
     def address(self) -> str:
@@ -59,10 +75,15 @@ class ProxyServer:
         if self._stopped.is_set():
             return
         self._stopped.set()
-        self._health.enter_graceful_shutdown()
-        self.service.close()
-        self._server.stop(grace_s).wait()
+        self._call(self._stop(grace_s))
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
         self.context.close()
+
+    async def _stop(self, grace_s: float | None) -> None:
+        await self._health.enter_graceful_shutdown()
+        self.service.close()
+        await self._server.stop(grace_s)
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Blocks until ``stop()``; True if stopped."""

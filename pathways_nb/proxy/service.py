@@ -1,17 +1,19 @@
 """``xla.ifrt.proxy.GrpcIfrtService`` over gRPC: version handshake, session streams, host buffers.
 
-Each ``IfrtSession`` stream gets a reader thread that serves requests in
-arrival order while the gRPC handler thread writes replies as they come, so
-reading never waits for writing and the client can pipeline freely.
+The service runs on one asyncio loop (grpc.aio). A session's requests are
+served on that loop as they arrive, and its replies are written by the
+stream's generator as they are queued, from any thread: so reading never
+waits for writing, the client can pipeline freely, and no message crosses
+more threads than the loop's own.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
-import queue
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 
@@ -39,6 +41,36 @@ _GRPC_CODES = {code.value[0]: code for code in grpc.StatusCode}
 DevicePlan = Callable[[Session], tuple[Sequence[int], dict[int, dict]]]
 
 
+class _Outbox:
+    """A session's replies, queued from any thread, written by the stream's generator."""
+
+    def __init__(self) -> None:
+        # Created on the loop's thread, inside the stream's coroutine.
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        self._queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, response) -> None:
+        if threading.get_ident() == self._loop_thread:
+            self._queue.put_nowait(response)
+        else:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, response)
+
+    def close(self, error: grpc.StatusCode | None = None, message: str = "") -> None:
+        self.put(_Closed(error, message))
+
+    async def get(self):
+        return await self._queue.get()
+
+
+class _Closed:
+    """Ends the reply stream, with an error status if the client misbehaved."""
+
+    def __init__(self, code: grpc.StatusCode | None, message: str):
+        self.code = code
+        self.message = message
+
+
 class IfrtProxyService:
     """The servicer: sessions by id, and the four host-buffer side channels."""
 
@@ -47,12 +79,13 @@ class IfrtProxyService:
         self.messages = schema.load()
         self._device_plan = device_plan
         self._sessions: dict[int, Session] = {}
+        self._outboxes: dict[int, _Outbox] = {}
         self._sessions_lock = threading.Lock()
         self._session_ids = itertools.count(1)
 
     # -- handshake -------------------------------------------------------------------------
 
-    def GetVersion(self, request, context):
+    async def GetVersion(self, request, context):
         try:
             chosen = versions.choose(
                 request.min_version.protocol_version,
@@ -61,7 +94,7 @@ class IfrtProxyService:
                 request.max_version.ifrt_serdes_version_number,
             )
         except versions.VersionMismatch as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         response = self.messages.proxy.GrpcGetVersionResponse()
         response.version.protocol_version = chosen.protocol_version
         response.version.ifrt_serdes_version_number = chosen.serdes_version
@@ -69,23 +102,23 @@ class IfrtProxyService:
 
     # -- the session stream ----------------------------------------------------------------
 
-    def IfrtSession(self, request_iterator, context) -> Iterator:
-        metadata = self._session_metadata(context)
+    async def IfrtSession(self, request_iterator, context) -> AsyncIterator:
+        metadata = await self._session_metadata(context)
         version = metadata.version
         if not versions.PROTOCOL_MIN <= version.protocol_version <= versions.PROTOCOL_MAX:
-            context.abort(
+            await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"protocol version {version.protocol_version} is not served here "
                 f"({versions.PROTOCOL_MIN}-{versions.PROTOCOL_MAX}); call GetVersion first",
             )
-        outgoing: queue.SimpleQueue = queue.SimpleQueue()
+        outbox = _Outbox()
         session_id = next(self._session_ids)
         session = Session(
             session_id,
             versions.Negotiated(version.protocol_version, version.ifrt_serdes_version_number),
             self.context,
             device_ids=(),
-            send=outgoing.put,
+            send=outbox.put,
             init_attributes=attributes.to_dict(metadata.initialization_data),
         )
         device_ids, device_attributes = self._plan(session)
@@ -93,102 +126,118 @@ class IfrtProxyService:
         session.device_attributes = device_attributes
         with self._sessions_lock:
             self._sessions[session_id] = session
-        context.add_callback(lambda: self._end_session(session_id, "the client disconnected", outgoing))
-        reader = threading.Thread(
-            target=self._serve_requests,
-            args=(session, request_iterator, outgoing),
-            name=f"pathways-session-{session_id}",
-            daemon=True,
-        )
-        reader.start()
+            self._outboxes[session_id] = outbox
+        reader = asyncio.create_task(self._serve_requests(session, request_iterator, outbox))
         seq_num = 0
-        while True:
-            response = outgoing.get()
-            if response is None:
-                return
-            if response.WhichOneof("response") is not None:
-                response.response_metadata.seq_num = seq_num
-                seq_num += 1
-            yield response
+        try:
+            while True:
+                response = await outbox.get()
+                if isinstance(response, _Closed):
+                    if response.code is not None:
+                        await context.abort(response.code, response.message)
+                    return
+                if response.WhichOneof("response") is not None:
+                    response.response_metadata.seq_num = seq_num
+                    seq_num += 1
+                yield response
+        finally:
+            reader.cancel()
+            self._end_session(session_id, "the client disconnected")
 
     def _plan(self, session: Session) -> tuple[Sequence[int], dict[int, dict]]:
         if self._device_plan is None:
             return [d.id for d in self.context.runtime.devices], {}
         return self._device_plan(session)
 
-    def _session_metadata(self, context):
+    async def _session_metadata(self, context):
         for key, value in context.invocation_metadata():
             if key == SESSION_METADATA_KEY:
                 try:
                     return self.messages.proxy.GrpcIfrtSessionMetadata.FromString(value)
                 except Exception:  # noqa: BLE001 - protobuf decode errors
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, "unable to parse GrpcIfrtSessionMetadata")
-        context.abort(
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "unable to parse GrpcIfrtSessionMetadata")
+        await context.abort(
             grpc.StatusCode.INVALID_ARGUMENT,
             f"missing {SESSION_METADATA_KEY} metadata; connect with the IFRT proxy client",
         )
 
-    def _serve_requests(self, session: Session, request_iterator, outgoing: queue.SimpleQueue) -> None:
+    async def _serve_requests(self, session: Session, request_iterator, outbox: _Outbox) -> None:
+        parse = self.messages.proxy.IfrtRequest.FromString
         try:
-            for request in request_iterator:
+            async for raw in request_iterator:
+                try:
+                    request = parse(raw)
+                except Exception:  # noqa: BLE001 - protobuf decode errors
+                    outbox.close(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"malformed IfrtRequest ({len(raw)} bytes) on session {session.session_id}; "
+                        "this stream only accepts messages of the IFRT proxy client",
+                    )
+                    return
                 session.handle(request)
-        except grpc.RpcError:
-            pass  # the client went away; the done-callback ends the session
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AioRpcError:
+            pass  # the client went away
         except Exception:
             _LOGGER.exception("session %d failed", session.session_id)
-        self._end_session(session.session_id, "the session stream ended", outgoing)
+        outbox.close()
 
-    def _end_session(self, session_id: int, reason: str, outgoing: queue.SimpleQueue) -> None:
+    def _end_session(self, session_id: int, reason: str) -> None:
         with self._sessions_lock:
             session = self._sessions.pop(session_id, None)
+            self._outboxes.pop(session_id, None)
         if session is not None:
             session.close(f"session {session_id} ended: {reason}")
-            outgoing.put(None)
 
     def sessions(self) -> list[Session]:
         with self._sessions_lock:
             return list(self._sessions.values())
 
     def close(self) -> None:
+        with self._sessions_lock:
+            outboxes = list(self._outboxes.values())
+        for outbox in outboxes:
+            outbox.close(grpc.StatusCode.UNAVAILABLE, "the Pathways proxy is shutting down")
         for session in self.sessions():
             session.close("the server is shutting down")
 
     # -- host buffers ----------------------------------------------------------------------
 
-    def _session(self, session_id: int, context) -> Session:
+    async def _session(self, session_id: int, context) -> Session:
         with self._sessions_lock:
             session = self._sessions.get(session_id)
         if session is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"session {session_id} does not exist (it may have ended)")
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"session {session_id} does not exist (it may have ended)")
         return session
 
-    def HostBufferStore(self, request_iterator, context):
+    async def HostBufferStore(self, request_iterator, context):
         metadata = None
         for key, value in context.invocation_metadata():
             if key == STORE_METADATA_KEY:
                 try:
                     metadata = self.messages.proxy.GrpcHostBufferStoreMetadata.FromString(value)
                 except Exception:  # noqa: BLE001 - protobuf decode errors
-                    context.abort(grpc.StatusCode.DATA_LOSS, "unable to parse GrpcHostBufferStoreMetadata")
+                    await context.abort(grpc.StatusCode.DATA_LOSS, "unable to parse GrpcHostBufferStoreMetadata")
         if metadata is None:
-            context.abort(grpc.StatusCode.INTERNAL, f"missing {STORE_METADATA_KEY} metadata")
-        session = self._session(metadata.session_id, context)
+            await context.abort(grpc.StatusCode.INTERNAL, f"missing {STORE_METADATA_KEY} metadata")
+        session = await self._session(metadata.session_id, context)
         size = metadata.buffer_size
         if size < 0:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"negative buffer size {size}")
-        data = _receive(request_iterator, size, context)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"negative buffer size {size}")
+        data = await _receive(request_iterator, size, context)
         try:
             session.host_buffers.store(metadata.handle, data)
         except RequestError as e:
-            context.abort(_GRPC_CODES.get(e.code, grpc.StatusCode.INTERNAL), e.message)
+            await context.abort(_GRPC_CODES.get(e.code, grpc.StatusCode.INTERNAL), e.message)
         return self.messages.proxy.GrpcHostBufferStoreResponse()
 
-    def HostBufferLookup(self, request, context):
-        session = self._session(request.session_id, context)
+    async def HostBufferLookup(self, request, context):
+        session = await self._session(request.session_id, context)
         try:
             data = session.host_buffers.read(request.handle)
         except RequestError as e:
-            context.abort(_GRPC_CODES.get(e.code, grpc.StatusCode.INTERNAL), e.message)
+            await context.abort(_GRPC_CODES.get(e.code, grpc.StatusCode.INTERNAL), e.message)
         response_type = self.messages.proxy.GrpcHostBufferLookupResponse
         if data.nbytes == 0:
             yield response_type()
@@ -196,16 +245,16 @@ class IfrtProxyService:
         for start in range(0, data.nbytes, CHUNK_BYTES):
             yield response_type(data=data[start : start + CHUNK_BYTES].tobytes())
 
-    def HostBufferDelete(self, request, context):
-        session = self._session(request.session_id, context)
+    async def HostBufferDelete(self, request, context):
+        session = await self._session(request.session_id, context)
         try:
             session.host_buffers.delete(request.handle)
         except RequestError as e:
-            context.abort(_GRPC_CODES.get(e.code, grpc.StatusCode.INTERNAL), e.message)
+            await context.abort(_GRPC_CODES.get(e.code, grpc.StatusCode.INTERNAL), e.message)
         return self.messages.proxy.GrpcHostBufferDeleteResponse()
 
-    def HostBufferReadFromDisk(self, request, context):
-        context.abort(
+    async def HostBufferReadFromDisk(self, request, context):
+        await context.abort(
             grpc.StatusCode.FAILED_PRECONDITION,
             "this server does not read host buffers from a shared directory; unset "
             "IFRT_PROXY_GRPC_LARGE_TRANSFER_OPTIMIZATION_THRESHOLD_BYTES on the client",
@@ -228,8 +277,9 @@ class IfrtProxyService:
                 "GetVersion": grpc.unary_unary_rpc_method_handler(
                     self.GetVersion, **codec(proxy.GrpcGetVersionRequest, proxy.GrpcGetVersionResponse)
                 ),
+                # Requests are parsed by the session reader, which answers malformed bytes itself.
                 "IfrtSession": grpc.stream_stream_rpc_method_handler(
-                    self.IfrtSession, **codec(proxy.IfrtRequest, proxy.IfrtResponse)
+                    self.IfrtSession, response_serializer=proxy.IfrtResponse.SerializeToString
                 ),
                 "HostBufferStore": grpc.stream_unary_rpc_method_handler(
                     self.HostBufferStore,
@@ -251,17 +301,19 @@ class IfrtProxyService:
         )
 
 
-def _receive(request_iterator, size: int, context) -> memoryview:
+async def _receive(request_iterator, size: int, context) -> memoryview:
     """Joins upload chunks into one buffer of exactly ``size`` bytes."""
     buffer = bytearray(size)
     offset = 0
-    for chunk in request_iterator:
+    async for chunk in request_iterator:
         data = chunk.data
         end = offset + len(data)
         if end > size:
-            context.abort(grpc.StatusCode.DATA_LOSS, f"host buffer upload is larger than its declared {size} bytes")
+            await context.abort(
+                grpc.StatusCode.DATA_LOSS, f"host buffer upload is larger than its declared {size} bytes"
+            )
         buffer[offset:end] = data
         offset = end
     if offset != size:
-        context.abort(grpc.StatusCode.DATA_LOSS, f"host buffer upload ended after {offset} of {size} bytes")
+        await context.abort(grpc.StatusCode.DATA_LOSS, f"host buffer upload ended after {offset} of {size} bytes")
     return memoryview(buffer)

@@ -9,6 +9,7 @@ through ``reply``, which may send replies out of order, as the protocol allows.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
 import threading
@@ -196,31 +197,44 @@ class Session:
         outputs: Sequence[ArrayRecord] = (),
         on_error: Callable[[RequestError], None] | None = None,
     ) -> None:
-        """Runs ``work`` (under the session lock) once every input has its value.
+        """Runs ``work`` once every input has its value.
 
-        If an input failed, or ``work`` raises, each output record and
-        ``on_error`` receive the error.
+        If the inputs are ready, ``work`` runs now and a failure (of an input
+        or of ``work``) raises here, so the request's reply carries it. If not,
+        ``work`` runs later under the session lock, and a failure goes to
+        ``on_error``. Either way each output record receives the failure.
         """
 
-        def run(input_error: BaseException | None) -> None:
+        def fail_outputs(error: BaseException) -> RequestError:
+            failure = as_request_error(error)
+            for record in outputs:
+                if not record.ready:
+                    record.fail(failure)
+            return failure
+
+        if all(record.ready for record in inputs):
+            try:
+                for record in inputs:
+                    if record.error is not None:
+                        raise record.error
+                work()
+            except Exception as error:
+                fail_outputs(error)
+                raise
+            return
+
+        def run_later(input_error: BaseException | None) -> None:
             with self.lock:
                 try:
                     if input_error is not None:
                         raise input_error
                     work()
                 except Exception as error:  # noqa: BLE001 - delivered to the dependents
-                    failure = as_request_error(error)
-                    for record in outputs:
-                        if not record.ready:
-                            record.fail(failure)
+                    failure = fail_outputs(error)
                     if on_error is not None:
                         on_error(failure)
 
-        if all(record.ready for record in inputs):
-            errors = [record.error for record in inputs if record.error is not None]
-            run(errors[0] if errors else None)
-        else:
-            when_all([record.pending for record in inputs], run)
+        when_all([record.pending for record in inputs], run_later)
 
     def in_background(
         self,
@@ -256,7 +270,16 @@ class Session:
         for record in arrays.values():
             if record.value is not None and not record.value.is_deleted():
                 record.value.delete()
-        del futures
+        del futures, arrays
+        release_free_memory()
+
+
+def release_free_memory() -> None:
+    """Hands memory freed by a closed session back to the OS (glibc keeps it in its arenas)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _short(request) -> str:

@@ -1,0 +1,117 @@
+"""Launching pathways-nb servers as child processes and stopping them without leftovers.
+
+Every server command (``pathways-nb proxy``, later the resource manager and
+workers) accepts ``--port_file``: once it listens it writes its port there.
+``ChildServer`` waits for that file (or the child's early death, with its log),
+and stops the child with SIGTERM, then SIGKILL, decoding how it ended.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+
+from pathways_nb.errors import PathwaysError
+
+
+class Status(enum.Enum):
+    created = "created"
+    starting = "starting"
+    running = "running"
+    closing = "closing"
+    closed = "closed"
+    failed = "failed"
+
+
+class ServerStartError(PathwaysError):
+    """A child server exited or stayed silent instead of serving."""
+
+
+def exit_description(returncode: int | None) -> str:
+    if returncode is None:
+        return "still running"
+    if returncode < 0:
+        return f"killed by signal {signal.Signals(-returncode).name}"
+    return f"exited with status {returncode}"
+
+
+class ChildServer:
+    """One ``pathways-nb`` server command running as a child process."""
+
+    def __init__(self, name: str, arguments: Sequence[str], env: dict[str, str] | None = None):
+        self.name = name
+        self.arguments = list(arguments)
+        self.env = env
+        self.status = Status.created
+        self.port: int | None = None
+        self.process: subprocess.Popen | None = None
+        self._directory = tempfile.TemporaryDirectory(prefix=f"pathways-{name}-")
+        self.log_path = os.path.join(self._directory.name, "log")
+
+    @property
+    def address(self) -> str:
+        """``grpc://127.0.0.1:PORT``."""
+        return f"grpc://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        """Starts the child and waits until it listens; raises ``ServerStartError`` otherwise."""
+        self.status = Status.starting
+        port_file = os.path.join(self._directory.name, "port")
+        command = [sys.executable, "-m", "pathways_nb.cli", *self.arguments, "--port_file", port_file]
+        with open(self.log_path, "w") as log:
+            # A new session: Ctrl-C in a notebook or terminal reaches us, and we stop the children.
+            self.process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if os.path.exists(port_file):
+                text = open(port_file).read().strip()
+                if text:
+                    self.port = int(text)
+                    self.status = Status.running
+                    return
+            if self.process.poll() is not None:
+                self.status = Status.failed
+                raise ServerStartError(
+                    f"{self.name} {exit_description(self.process.returncode)} while starting:\n{self.log()[-3000:]}"
+                )
+            if time.monotonic() > deadline:
+                self.close()
+                self.status = Status.failed
+                raise ServerStartError(f"{self.name} did not start within {timeout_s:g} s:\n{self.log()[-3000:]}")
+            time.sleep(0.02)
+
+    def log(self) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL after ``timeout_s``; idempotent."""
+        if self.status is Status.closed:
+            return
+        self.status = Status.closing
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.status = Status.closed
+        self._directory.cleanup()
+
+    def __repr__(self) -> str:
+        return f"<ChildServer {self.name} {self.status.value} port={self.port}>"

@@ -1,0 +1,123 @@
+"""Harnesses for testing pathways-nb and code built on it: servers in subprocesses, a raw wire client.
+
+``proxy_process()`` starts ``pathways-nb proxy`` on a free port and stops it
+(and checks it is gone) afterwards. ``WireSession`` speaks the IFRT proxy
+protocol directly, request by request, for tests that must send what the
+stock client never would (unknown handles, malformed bytes, half uploads).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import queue
+from collections.abc import Iterator
+
+import grpc
+
+from pathways_nb.processes import ChildServer
+from pathways_nb.protocol import schema
+
+SERVICE = "/xla.ifrt.proxy.GrpcIfrtService/"
+SESSION_METADATA_KEY = "ifrt-proxy-grpc-ifrt-session-metadata-bin"
+STORE_METADATA_KEY = "ifrt-proxy-grpc-host-buffer-store-metadata-bin"
+
+
+@contextlib.contextmanager
+def proxy_process(devices: int = 4, *extra_args: str, startup_timeout_s: float = 60.0) -> Iterator[ChildServer]:
+    """Runs ``pathways-nb proxy`` on a free port for the duration of the block."""
+    server = ChildServer("proxy", ["proxy", "--server_port", "0", "--devices", str(devices), *extra_args])
+    try:
+        server.start(startup_timeout_s)
+        yield server
+    finally:
+        server.close()
+
+
+def _identity(data: bytes) -> bytes:
+    return data
+
+
+class WireSession:
+    """One IFRT proxy session driven by hand: send requests, read replies by op id."""
+
+    def __init__(self, address: str, protocol_version: int = 25, serdes_version: int = 0):
+        self.messages = schema.load()
+        target = address.removeprefix("grpc://")
+        self.channel = grpc.insecure_channel(target)
+        self._op_ids = itertools.count(1)
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        metadata = self.messages.proxy.GrpcIfrtSessionMetadata()
+        metadata.version.protocol_version = protocol_version
+        metadata.version.ifrt_serdes_version_number = serdes_version
+        stream = self.channel.stream_stream(
+            SERVICE + "IfrtSession",
+            request_serializer=_identity,
+            response_deserializer=self.messages.proxy.IfrtResponse.FromString,
+        )
+        self._responses = stream(
+            iter(self._requests.get, None),
+            metadata=((SESSION_METADATA_KEY, metadata.SerializeToString()),),
+        )
+        self.session_id = self.call("init_request", self.messages.proxy.InitRequest()).init_response.session_id
+
+    def send_raw(self, data: bytes) -> None:
+        """Puts arbitrary bytes on the stream as one message."""
+        self._requests.put(data)
+
+    def send(self, kind: str, body) -> int:
+        request = self.messages.proxy.IfrtRequest()
+        op_id = next(self._op_ids)
+        request.request_metadata.op_id = op_id
+        getattr(request, kind).CopyFrom(body)
+        self._requests.put(request.SerializeToString())
+        return op_id
+
+    def receive(self):
+        """The next reply on the stream (in the server's order)."""
+        return next(self._responses)
+
+    def call(self, kind: str, body):
+        """Sends one request and returns its reply (other replies must not be outstanding)."""
+        op_id = self.send(kind, body)
+        response = self.receive()
+        if response.response_metadata.op_id != op_id:
+            raise AssertionError(f"reply to op {response.response_metadata.op_id} while waiting for {op_id}")
+        return response
+
+    def store_host_buffer(self, handle: int, data: bytes, declared_size: int | None = None) -> None:
+        """Uploads ``data`` under ``handle`` (``HostBufferStore``), in 1 MiB chunks."""
+        metadata = self.messages.proxy.GrpcHostBufferStoreMetadata(
+            session_id=self.session_id,
+            handle=handle,
+            buffer_size=len(data) if declared_size is None else declared_size,
+        )
+        store = self.channel.stream_unary(
+            SERVICE + "HostBufferStore",
+            request_serializer=self.messages.proxy.GrpcHostBufferStoreRequest.SerializeToString,
+            response_deserializer=self.messages.proxy.GrpcHostBufferStoreResponse.FromString,
+        )
+        chunks = (
+            self.messages.proxy.GrpcHostBufferStoreRequest(data=data[i : i + (1 << 20)])
+            for i in range(0, len(data), 1 << 20)
+        )
+        store(chunks, metadata=((STORE_METADATA_KEY, metadata.SerializeToString()),))
+
+    def lookup_host_buffer(self, handle: int) -> bytes:
+        lookup = self.channel.unary_stream(
+            SERVICE + "HostBufferLookup",
+            request_serializer=self.messages.proxy.GrpcHostBufferLookupRequest.SerializeToString,
+            response_deserializer=self.messages.proxy.GrpcHostBufferLookupResponse.FromString,
+        )
+        request = self.messages.proxy.GrpcHostBufferLookupRequest(session_id=self.session_id, handle=handle)
+        return b"".join(chunk.data for chunk in lookup(request))
+
+    def close(self) -> None:
+        self._requests.put(None)
+        self.channel.close()
+
+    def __enter__(self) -> WireSession:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
