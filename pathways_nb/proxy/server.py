@@ -19,8 +19,13 @@ from pathways_nb.worker.runtime import LocalRuntime
 
 _LOGGER = logging.getLogger(__name__)
 
-# gRPC's 4 MiB default is too small for compile requests of big programs.
-UNLIMITED_MESSAGES = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+SERVER_OPTIONS = [
+    # gRPC's 4 MiB default is too small for compile requests of big programs.
+    ("grpc.max_send_message_length", -1),
+    ("grpc.max_receive_message_length", -1),
+    # A 64 MiB receive window lets a large upload stream without waiting for window updates.
+    ("grpc.http2.lookahead_bytes", 64 << 20),
+]
 
 
 class ProxyServer:
@@ -50,7 +55,7 @@ class ProxyServer:
             raise
 
     async def _start(self, host: str, port: int) -> int:
-        self._server = grpc.aio.server(options=UNLIMITED_MESSAGES)
+        self._server = grpc.aio.server(options=SERVER_OPTIONS)
         self._server.add_generic_rpc_handlers((self.service.generic_handler(),))
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
