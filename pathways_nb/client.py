@@ -113,5 +113,6 @@ def _restore(previous: _Previous) -> None:
     jax.clear_caches()
     gc.collect()
     backend.clear_backends()
+    jax_plugin.unregister()
     jax.config.update("jax_platforms", previous.platforms)
     jax.config.update("jax_backend_target", previous.backend_target)

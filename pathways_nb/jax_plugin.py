@@ -34,7 +34,15 @@ def register() -> None:
     """Registers (or re-registers) the ``proxy`` backend factory."""
     from jax.extend.backend import register_backend_factory
 
-    register_backend_factory(PLATFORM, make_client, priority=-1, fail_quietly=False)
+    # fail_quietly only applies when JAX_PLATFORMS is unset; an explicit request fails loudly.
+    register_backend_factory(PLATFORM, make_client, priority=-1, fail_quietly=True)
+
+
+def unregister() -> None:
+    """Removes the factory, so JAX with no platform set never tries the proxy (JAX has no public call)."""
+    from jax._src import xla_bridge
+
+    xla_bridge._backend_factories.pop(PLATFORM, None)
 
 
 def connection_timeout_s() -> float:

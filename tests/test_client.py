@@ -1,0 +1,73 @@
+"""connect/disconnect in a live process: after local JAX, back and forth, with clear failures."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from pathways_nb.client import normalize_address
+
+
+def _run(code: str, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args], env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_connect_after_local_use_disconnect_and_reconnect(proxy_server):
+    result = _run(
+        """
+        import sys, jax, numpy as np, pathways_nb
+        f = jax.jit(lambda x: x * 2)
+        print("local", float(f(np.float32(1))), jax.devices()[0].client.runtime_type)
+        pathways_nb.connect(sys.argv[1])
+        print("remote", float(f(np.float32(2))), jax.devices()[0].client.runtime_type, len(jax.devices()))
+        pathways_nb.disconnect()
+        print("local", float(f(np.float32(3))), jax.devices()[0].client.runtime_type)
+        pathways_nb.connect(sys.argv[1])
+        print("remote", float(f(np.float32(4))), jax.devices()[0].client.runtime_type)
+        """,
+        proxy_server.address,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line.split() for line in result.stdout.splitlines()]
+    assert lines[0][:2] == ["local", "2.0"] and lines[0][2] != "proxy/pathways-nb"
+    assert lines[1] == ["remote", "4.0", "proxy/pathways-nb", "4"]
+    assert lines[2][:2] == ["local", "6.0"] and lines[2][2] != "proxy/pathways-nb"
+    assert lines[3] == ["remote", "8.0", "proxy/pathways-nb"]
+
+
+def test_connecting_to_nothing_fails_within_the_timeout():
+    result = _run(
+        """
+        import time, pathways_nb
+        started = time.monotonic()
+        try:
+            pathways_nb.connect("127.0.0.1:1", timeout_s=2)
+        except pathways_nb.ConnectionFailed as error:
+            print(round(time.monotonic() - started), error)
+        """
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    seconds, message = result.stdout.split(" ", 1)
+    assert int(seconds) <= 10
+    assert "grpc://127.0.0.1:1" in message and "within 2 s" in message
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [("localhost:29000", "grpc://localhost:29000"), (" grpc://10.0.0.1:1 ", "grpc://10.0.0.1:1")],
+)
+def test_addresses_are_normalized(given, expected):
+    assert normalize_address(given) == expected
+
+
+@pytest.mark.parametrize("bad", ["", "http://host:1", "grpc://host"])
+def test_bad_addresses_are_refused_with_the_reason(bad):
+    with pytest.raises(ValueError, match="address|scheme|port"):
+        normalize_address(bad)
