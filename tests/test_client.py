@@ -69,5 +69,5 @@ def test_addresses_are_normalized(given, expected):
 
 @pytest.mark.parametrize("bad", ["", "http://host:1", "grpc://host"])
 def test_bad_addresses_are_refused_with_the_reason(bad):
-    with pytest.raises(ValueError, match="address|scheme|port"):
+    with pytest.raises(ValueError, match=r"address|scheme|port"):
         normalize_address(bad)
