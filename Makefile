@@ -29,7 +29,7 @@ lint: install
 	$(BIN)/ruff format --check pathways_nb tests benchmarks
 
 test: install $(OLD_CLIENT_VENV)/bin/python
-	PATHWAYS_OLD_CLIENT_PYTHON=$(OLD_CLIENT_VENV)/bin/python $(BIN)/python -m pytest -q
+	PATHWAYS_OLD_CLIENT_PYTHON=$(abspath $(OLD_CLIENT_VENV))/bin/python $(BIN)/python -m pytest -q
 
 clean:
 	rm -rf $(VENV) $(OLD_CLIENT_VENV) *.egg-info
