@@ -45,6 +45,24 @@ class IfrtSharding:
             )
         return IfrtSharding(device_ids, memory_kind, self.op_sharding)
 
+    def shard_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Shape of each shard of an array of ``shape`` (XLA pads uneven shards to this size)."""
+        if self.op_sharding is None:
+            return tuple(shape)
+        partitions = self._partitions(len(shape))
+        return tuple(-(-dim // parts) for dim, parts in zip(shape, partitions, strict=True))
+
+    def _partitions(self, rank: int) -> list[int]:
+        from jax._src import op_shardings
+        from jax._src.lib import xla_client as xc
+
+        op = xc.OpSharding()
+        op.ParseFromString(self.op_sharding)
+        partitions, _ = op_shardings.get_num_ways_dim_sharded(xc.HloSharding.from_proto(op))
+        if len(partitions) != rank:
+            raise InvalidRequest(f"a sharding over {len(partitions)} dimensions was given for a rank-{rank} array")
+        return partitions
+
     def to_proto(self):
         """This sharding as an ``xla.ifrt.ShardingProto`` the stock client reads."""
         messages = schema.load()

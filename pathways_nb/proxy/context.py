@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from pathways_nb.proxy.deadlines import Deadlines
-from pathways_nb.worker.runtime import LocalRuntime, Program
+from pathways_nb.runtime_api import ProgramInfo, Runtime
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class CompileCache:
 
     def __init__(self, entries: int):
         self._entries = entries
-        self._programs: OrderedDict[tuple, Program] = OrderedDict()
+        self._programs: OrderedDict[tuple, ProgramInfo] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
@@ -40,7 +40,7 @@ class CompileCache:
     def key(program: bytes, options: bytes, device_ids: tuple[int, ...]) -> tuple:
         return (hashlib.sha256(program).digest(), hashlib.sha256(options).digest(), device_ids)
 
-    def get(self, key: tuple) -> Program | None:
+    def get(self, key: tuple) -> ProgramInfo | None:
         with self._lock:
             program = self._programs.get(key)
             if program is None:
@@ -50,7 +50,7 @@ class CompileCache:
             self._programs.move_to_end(key)
             return program
 
-    def put(self, key: tuple, program: Program) -> None:
+    def put(self, key: tuple, program: ProgramInfo) -> None:
         with self._lock:
             self._programs[key] = program
             self._programs.move_to_end(key)
@@ -61,7 +61,7 @@ class CompileCache:
 class ProxyContext:
     """Shared by all sessions of a server; closed once when the server stops."""
 
-    def __init__(self, runtime: LocalRuntime, limits: ProxyLimits | None = None):
+    def __init__(self, runtime: Runtime, limits: ProxyLimits | None = None):
         self.runtime = runtime
         self.limits = limits or ProxyLimits()
         self.deadlines = Deadlines()

@@ -15,7 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pathways_nb.proxy.context import ProxyContext, ProxyLimits
 from pathways_nb.proxy.service import SERVICE_NAME, DevicePlan, IfrtProxyService
-from pathways_nb.worker.runtime import LocalRuntime
+from pathways_nb.runtime_api import Runtime
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class ProxyServer:
 
     def __init__(
         self,
-        runtime: LocalRuntime,
+        runtime: Runtime,
         port: int = 0,
         host: str = "127.0.0.1",
         limits: ProxyLimits | None = None,

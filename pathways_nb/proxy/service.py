@@ -35,10 +35,10 @@ CHUNK_BYTES = 1 << 20
 
 _GRPC_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
-# Devices (and their attributes) a new session gets: the proxy asks this
-# when a session opens. The single-process server gives every session all its
-# devices; the cluster asks its resource manager instead.
-DevicePlan = Callable[[Session], tuple[Sequence[int], dict[int, dict]]]
+# The devices a new session gets, asked when a session opens. The
+# single-process server gives every session all its devices; the cluster asks
+# its resource manager instead.
+DevicePlan = Callable[[Session], Sequence[int]]
 
 
 class _Outbox:
@@ -121,9 +121,7 @@ class IfrtProxyService:
             send=outbox.put,
             init_attributes=attributes.to_dict(metadata.initialization_data),
         )
-        device_ids, device_attributes = self._plan(session)
-        session.device_ids = tuple(device_ids)
-        session.device_attributes = device_attributes
+        session.device_ids = tuple(self._plan(session))
         with self._sessions_lock:
             self._sessions[session_id] = session
             self._outboxes[session_id] = outbox
@@ -144,9 +142,9 @@ class IfrtProxyService:
             reader.cancel()
             self._end_session(session_id, "the client disconnected")
 
-    def _plan(self, session: Session) -> tuple[Sequence[int], dict[int, dict]]:
+    def _plan(self, session: Session) -> Sequence[int]:
         if self._device_plan is None:
-            return [d.id for d in self.context.runtime.devices], {}
+            return [d.id for d in self.context.runtime.devices]
         return self._device_plan(session)
 
     async def _session_metadata(self, context):

@@ -84,8 +84,6 @@ class Session:
         self.device_ids = tuple(device_ids)
         # What the client sent as ClientConnectionOptions.initialization_data.
         self.init_attributes = init_attributes or {}
-        # Attributes each device shows the client (d.slice_index, d.host, ...), by device id.
-        self.device_attributes: dict[int, dict] = {}
         self.messages = schema.load()
         self.host_buffers = HostBuffers(context.deadlines, context.limits.host_buffer_timeout_s)
         self.arrays: dict[int, ArrayRecord] = {}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ import numpy as np
 from pathways_nb.protocol import schema
 from pathways_nb.protocol.errors import FailedPrecondition, InvalidRequest, NotFound, ResourceExhausted
 from pathways_nb.protocol.shardings import IfrtSharding
+from pathways_nb.runtime_api import ArgumentFacts, DeviceDescription, ProgramInfo, check_arguments
 from pathways_nb.worker import signature as program_signature
 
 _LOGGER = logging.getLogger(__name__)
@@ -43,25 +45,12 @@ def configure_jax(platform: str | None, num_devices: int | None) -> None:
         jax.config.update("jax_num_cpu_devices", num_devices)
 
 
-@dataclass(frozen=True, slots=True)
-class Program:
-    """A compiled program and what the proxy reports about it."""
+@dataclass(frozen=True)
+class Program(ProgramInfo):
+    """A program compiled on this process's devices."""
 
-    executable: object  # jaxlib LoadedExecutable
-    device_ids: tuple[int, ...]
-    signature: program_signature.Signature
-    output_shardings: tuple[IfrtSharding, ...]
-    # Serialized xla.OpSharding per parameter / output, as XLA reports them (None: single device).
-    parameter_op_shardings: tuple[bytes, ...] | None
-    output_op_shardings: tuple[bytes, ...] | None
-    parameter_layouts: tuple[tuple[int, ...], ...]
-    output_layouts: tuple[tuple[int, ...], ...]
-    output_memory_kinds: tuple[str, ...]
-    memory_stats: dict[str, int]
-    donated_args: frozenset[int]
-    result_handlers: tuple
-    name: str
-    fingerprint: bytes | None
+    executable: object = None  # jaxlib LoadedExecutable
+    result_handlers: tuple = ()
 
 
 class LocalRuntime:
@@ -92,11 +81,31 @@ class LocalRuntime:
             known = ", ".join(str(i) for i in self._by_id)
             raise NotFound(f"device {device_id} is not one of this server's devices ({known})") from None
 
-    def memory_kinds(self, device) -> list[str]:
-        """Memory kinds of ``device`` that the proxy reports, default first."""
+    def memory_kinds(self, device) -> tuple[str, ...]:
+        """Memory kinds of ``device``, default first."""
         kinds = [m.kind for m in device.addressable_memories()]
         default = device.default_memory().kind
-        return [default] + [k for k in kinds if k != default]
+        return (default, *(k for k in kinds if k != default))
+
+    def describe_devices(self, device_ids: Sequence[int]) -> list[DeviceDescription]:
+        descriptions = []
+        for device_id in device_ids:
+            device = self.device(device_id)
+            hardware_id = device.local_hardware_id
+            descriptions.append(
+                DeviceDescription(
+                    id=device.id,
+                    platform=self.platform,
+                    kind=device.device_kind,
+                    debug_string=str(device),
+                    to_string=repr(device),
+                    local_hardware_id=device.id if hardware_id is None else hardware_id,
+                    memory_kinds=self.memory_kinds(device),
+                    # One process is one island (slice) on one host.
+                    attributes={"slice_index": 0, "host": socket.gethostname()},
+                )
+            )
+        return descriptions
 
     def default_layout(self, dtype: np.dtype, dims: Sequence[int], device_id: int) -> bytes:
         """How the device stores an array of this shape, serialized as the IFRT client reads it."""
@@ -105,6 +114,10 @@ class LocalRuntime:
         return serialized
 
     # -- shardings -------------------------------------------------------------------------
+
+    def check_sharding(self, sharding: IfrtSharding) -> None:
+        """Refuses shardings over unknown devices or memory kinds (now, not when XLA sees them)."""
+        self.jax_sharding(sharding)
 
     @functools.lru_cache(maxsize=4096)  # noqa: B019 - the runtime lives as long as the process
     def jax_sharding(self, sharding: IfrtSharding):
@@ -249,7 +262,13 @@ class LocalRuntime:
         Arguments the program donates are consumed, except those in ``keep``,
         which are copied first so the caller's array stays alive.
         """
-        self._check_args(program, args)
+        check_arguments(
+            program,
+            [
+                ArgumentFacts(arg.dtype, tuple(arg.shape), frozenset(d.id for d in arg.devices()), arg.is_deleted())
+                for arg in args
+            ],
+        )
         args = list(args)
         for index in keep & program.donated_args:
             args[index] = self.copy(args[index], _sharding_of(args[index]))
@@ -258,30 +277,11 @@ class LocalRuntime:
             raise InvalidRequest("programs that return tokens are not supported by this server")
         return results.consume_with_handlers(list(program.result_handlers))
 
-    def _check_args(self, program: Program, args: Sequence) -> None:
-        """Refuses arguments XLA would crash on (wrong count, type or devices)."""
-        expected = program.signature.args
-        if len(args) != len(expected):
-            raise InvalidRequest(f"program {program.name} takes {len(expected)} arguments, got {len(args)}")
-        wanted_devices = set(program.device_ids)
-        for index, (arg, aval) in enumerate(zip(args, expected, strict=True)):
-            if arg.is_deleted():
-                raise FailedPrecondition(
-                    f"argument {index} of {program.name} was deleted or donated to an earlier program"
-                )
-            if aval.is_token:
-                continue
-            if arg.shape != aval.shape or arg.dtype != aval.dtype:
-                raise InvalidRequest(
-                    f"argument {index} of {program.name} is {arg.dtype}{list(arg.shape)}, "
-                    f"the program takes {aval.dtype}{list(aval.shape)}"
-                )
-            devices = {d.id for d in arg.devices()}
-            if devices != wanted_devices:
-                raise InvalidRequest(
-                    f"argument {index} of {program.name} is on devices {sorted(devices)}, "
-                    f"the program runs on {sorted(wanted_devices)}; move it first (jax.device_put)"
-                )
+    def cost_analysis(self, program: ProgramInfo) -> dict[str, float]:
+        return {key: float(value) for key, value in program.executable.cost_analysis().items()}
+
+    def program_text(self, program: ProgramInfo) -> str:
+        return "\n\n".join(module.to_string() for module in program.executable.hlo_modules())
 
 
 def _sharding_of(array) -> IfrtSharding:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import re
 import threading
-from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
 
 from pathways_nb.protocol.errors import InvalidRequest
+from pathways_nb.runtime_api import Aval, Signature
 
 # MLIR element type -> numpy dtype.
 _ELEMENT_TYPES: dict[str, np.dtype] = {
@@ -49,24 +49,6 @@ _ELEMENT_TYPES: dict[str, np.dtype] = {
 }
 _TENSOR = re.compile(r"tensor<((?:[0-9?]+x)*)(.+)>")
 _MLIR_LOCK = threading.Lock()
-
-
-@dataclass(frozen=True, slots=True)
-class Aval:
-    """Shape and dtype of one value; ``dtype is None`` for a token."""
-
-    shape: tuple[int, ...]
-    dtype: np.dtype | None
-
-    @property
-    def is_token(self) -> bool:
-        return self.dtype is None
-
-
-@dataclass(frozen=True, slots=True)
-class Signature:
-    args: tuple[Aval, ...]
-    results: tuple[Aval, ...]
 
 
 def _aval(mlir_type) -> Aval:

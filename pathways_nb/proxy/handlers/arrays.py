@@ -73,7 +73,7 @@ def make_array_from_host_buffer(session, request, op_id):
     dtype = dtypes.to_numpy(kind)
     shape = _shape(request.shape)
     sharding = shardings.from_proto(request.sharding)
-    session.runtime.jax_sharding(sharding)  # refuse unknown devices now
+    session.runtime.check_sharding(sharding)  # refuse unknown devices now
     strides = _strides(request)
     record = ArrayRecord(kind, shape, sharding)
     handle = request.array_handle if request.HasField("array_handle") else session.server_handle()
@@ -112,8 +112,8 @@ def _make_from_shards(session, handle: int, spec) -> None:
     dtype = dtypes.to_numpy(kind)
     shape = _shape(spec.array_spec.shape)
     sharding = shardings.from_proto(spec.array_spec.sharding)
-    target = session.runtime.jax_sharding(sharding)
-    shard_shape = tuple(target.shard_shape(shape))
+    session.runtime.check_sharding(sharding)
+    shard_shape = sharding.shard_shape(shape)
     record = ArrayRecord(kind, shape, sharding)
     session.add_array(handle, record)
     if len(spec.host_buffers) != len(spec.addressable_shard_indices):
@@ -259,7 +259,7 @@ def disassemble(session, request, op_id):
         raise InvalidRequest(
             f"{len(request.result_handles)} result handles for an array with {len(sharding.device_ids)} shards"
         )
-    shard_shape = tuple(session.runtime.jax_sharding(sharding).shard_shape(source.shape))
+    shard_shape = sharding.shard_shape(source.shape)
     parts = [
         ArrayRecord(source.kind, shard_shape, IfrtSharding((device_id,), sharding.memory_kind))
         for device_id in sharding.device_ids
@@ -302,7 +302,7 @@ def copy_arrays(session, request, op_id):
     for index, source in enumerate(sources):
         device_ids = tuple(request.device_ids) or source.sharding.device_ids
         target = source.sharding.with_devices(device_ids, memory_kind or source.sharding.memory_kind)
-        session.runtime.jax_sharding(target)
+        session.runtime.check_sharding(target)
         record = ArrayRecord(source.kind, source.shape, target)
         handle = request.result_handles[index] if request.result_handles else 0
         result_handles.append(
@@ -327,7 +327,7 @@ def reshard_arrays(session, request, op_id):
     result_handles = []
     for index, (source, spec) in enumerate(zip(sources, request.array_specs, strict=True)):
         target = shardings.from_proto(spec.sharding)
-        session.runtime.jax_sharding(target)
+        session.runtime.check_sharding(target)
         record = ArrayRecord(source.kind, source.shape, target)
         handle = request.result_handles[index] if request.result_handles else 0
         result_handles.append(

@@ -10,7 +10,7 @@ from pathways_nb.proxy.context import CompileCache
 from pathways_nb.proxy.dispatch import DEFERRED, handles
 from pathways_nb.proxy.pending import Pending
 from pathways_nb.proxy.records import ArrayRecord
-from pathways_nb.worker.runtime import Program
+from pathways_nb.runtime_api import ArgumentFacts, ProgramInfo, check_arguments
 
 XLA_PROGRAM = "xla::ifrt::XlaProgram"
 XLA_COMPILE_OPTIONS = "xla::ifrt::XlaCompileOptions"
@@ -20,7 +20,7 @@ XLA_COMPILE_OPTIONS = "xla::ifrt::XlaCompileOptions"
 class LoadedProgram:
     """A session's handle on a compiled program (programs themselves are shared via the cache)."""
 
-    program: Program
+    program: ProgramInfo
     deleted: bool = False
     output_kinds: tuple[int, ...] = field(default=())
 
@@ -67,14 +67,14 @@ def compile_program(session, request, op_id):
     cache = session.context.compile_cache
     key = CompileCache.key(program_bytes, options_bytes, device_ids)
 
-    def compile_now() -> Program:
+    def compile_now() -> ProgramInfo:
         program = cache.get(key)
         if program is None:
             program = session.runtime.compile(program_bytes, options_bytes, device_ids)
             cache.put(key, program)
         return program
 
-    def compiled(program: Program | None, error) -> None:
+    def compiled(program: ProgramInfo | None, error) -> None:
         if error is not None:
             session.reply_error(op_id, error)
             return
@@ -164,6 +164,7 @@ def execute(session, request, op_id):
     donated = [inputs[i] for i in program.donated_args if i not in keep and i < len(inputs)]
 
     def run() -> None:
+        check_arguments(program, [_facts(record) for record in inputs])
         values = session.runtime.execute(program, [record.value for record in inputs], keep)
         for record, value in zip(outputs, values, strict=True):
             record.set(value)
@@ -183,6 +184,11 @@ def execute(session, request, op_id):
             out.shape.dims.extend(record.shape)
             out.sharding.CopyFrom(record.sharding.to_proto())
     return response
+
+
+def _facts(record: ArrayRecord) -> ArgumentFacts:
+    dtype = None if record.kind == dtypes.TOKEN_KIND else dtypes.to_numpy(record.kind)
+    return ArgumentFacts(dtype, record.shape, frozenset(record.sharding.device_ids), record.is_deleted)
 
 
 def _finish_when_computed(session, outputs: list[ArrayRecord], status: Pending) -> None:
@@ -223,8 +229,7 @@ def cost_analysis(session, request, op_id):
     program = session.program(request.loaded_executable_handle).program
     response = session.messages.proxy.LoadedExecutableCostAnalysisResponse()
     try:
-        costs = {key: float(value) for key, value in program.executable.cost_analysis().items()}
-        attributes.fill(response.attributes, costs)
+        attributes.fill(response.attributes, session.runtime.cost_analysis(program))
         response.attributes.SetInParent()
     except Exception as e:  # noqa: BLE001 - reported to the client in the body
         response.status.code = 12
@@ -236,7 +241,7 @@ def cost_analysis(session, request, op_id):
 def program_text(session, request, op_id):
     """The optimized HLO of the program (``compiled.as_text()``)."""
     program = session.program(request.loaded_executable_handle).program
-    text = "\n\n".join(module.to_string() for module in program.executable.hlo_modules())
+    text = session.runtime.program_text(program)
     return session.messages.proxy.LoadedExecutableHumanReadableProgramTextResponse(human_readable_program_text=text)
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-
 from pathways_nb import __version__
 from pathways_nb.protocol import attributes, dtypes
 from pathways_nb.protocol.errors import InvalidRequest
@@ -24,31 +22,30 @@ def init(session, request, op_id):
         process_index=0,
         runtime_type=RUNTIME_TYPE,
     )
-    for device_id in session.device_ids:
-        device = runtime.device(device_id)
-        memory_ids = _memory_ids(session, device_id)
+    for device in runtime.describe_devices(session.device_ids):
+        memory_ids = [device.id * len(MEMORY_KINDS) + MEMORY_KINDS.index(kind) for kind in device.memory_kinds]
         proto = response.all_devices.add(
-            id=device_id,
-            local_device_id=device_id,
-            local_hardware_id=device.local_hardware_id if device.local_hardware_id is not None else device_id,
-            device_kind=device.device_kind,
+            id=device.id,
+            local_device_id=device.id,
+            local_hardware_id=device.local_hardware_id,
+            device_kind=device.kind,
             default_memory_id=memory_ids[0],
             memory_ids=memory_ids,
             # The stock client's repr() shows to_string and str() shows debug_string.
-            debug_string=str(device),
-            to_string=repr(device),
+            debug_string=device.debug_string,
+            to_string=device.to_string,
         )
         if session.version.protocol_version >= DEVICE_PLATFORM_NAME:
-            proto.platform_name = runtime.platform
-        attributes.fill(proto.attributes, session.device_attributes.get(device_id) or _default_attributes(device))
-        for memory_id, kind in zip(memory_ids, runtime.memory_kinds(device), strict=True):
+            proto.platform_name = device.platform
+        attributes.fill(proto.attributes, device.attributes)
+        for memory_id, kind in zip(memory_ids, device.memory_kinds, strict=True):
             response.memories.add(
                 id=memory_id,
                 memory_space_kind=kind,
-                kind_id=memory_id % len(_KINDS_ORDER),
-                device_ids=[device_id],
+                kind_id=MEMORY_KINDS.index(kind),
+                device_ids=[device.id],
                 debug_string=f"{kind.upper()}_{memory_id}",
-                to_string=f"{kind}:{device_id}",
+                to_string=f"{kind}:{device.id}",
             )
     response.primary_device_ids.extend(session.device_ids)
     response.addressable_device_ids.extend(session.device_ids)
@@ -56,16 +53,8 @@ def init(session, request, op_id):
     return response
 
 
-_KINDS_ORDER = ("device", "pinned_host", "unpinned_host")
-
-
-def _memory_ids(session, device_id: int) -> list[int]:
-    kinds = session.runtime.memory_kinds(session.runtime.device(device_id))
-    return [device_id * len(_KINDS_ORDER) + _KINDS_ORDER.index(kind) for kind in kinds if kind in _KINDS_ORDER]
-
-
-def _default_attributes(device) -> dict:
-    return {"slice_index": 0, "host": socket.gethostname()}
+# Memory kinds a device may have; a memory's id is device id x 3 + the kind's index here.
+MEMORY_KINDS = ("device", "pinned_host", "unpinned_host")
 
 
 @handles("check_future_request")
