@@ -1,0 +1,87 @@
+"""A grpc.aio server on its own event loop thread, driven by plain blocking calls.
+
+The proxy, the resource manager and the workers all serve this way, so that
+scripts, tests and notebooks can start and stop them without asyncio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+SERVER_OPTIONS = [
+    # gRPC's 4 MiB default is too small for compile requests of big programs.
+    ("grpc.max_send_message_length", -1),
+    ("grpc.max_receive_message_length", -1),
+    # A 64 MiB receive window lets a large upload stream without waiting for window updates.
+    ("grpc.http2.lookahead_bytes", 64 << 20),
+]
+
+
+class BackgroundServer:
+    """Serves ``handlers`` on ``host:port`` (port 0 picks a free one) from construction until ``stop()``."""
+
+    def __init__(
+        self,
+        handlers: Sequence[grpc.GenericRpcHandler],
+        service_names: Sequence[str],
+        port: int = 0,
+        host: str = "127.0.0.1",
+        on_stop: Callable[[], Awaitable[None]] | None = None,
+    ):
+        self.host = host
+        self._on_stop = on_stop
+        self._stopped = threading.Event()
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="pathways-loop", daemon=True)
+        self._thread.start()
+        try:
+            self.port = self.call(self._start(handlers, service_names, host, port))
+        except BaseException:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join()
+            raise
+
+    async def _start(self, handlers, service_names, host: str, port: int) -> int:
+        self._server = grpc.aio.server(options=SERVER_OPTIONS)
+        self._server.add_generic_rpc_handlers(tuple(handlers))
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        bound = self._server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            raise OSError(f"cannot listen on {host}:{port}; is the port in use?")
+        await self._server.start()
+        for name in (*service_names, ""):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        return bound
+
+    def call(self, coroutine):
+        """Runs ``coroutine`` on the server's loop and returns its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def stop(self, grace_s: float | None = 1.0) -> None:
+        """Stops serving (in-flight calls get ``grace_s``); idempotent."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self.call(self._stop(grace_s))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
+
+    async def _stop(self, grace_s: float | None) -> None:
+        await self._health.enter_graceful_shutdown()
+        if self._on_stop is not None:
+            await self._on_stop()
+        await self._server.stop(grace_s)
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Blocks until ``stop()``; True if stopped."""
+        return self._stopped.wait(timeout_s)
