@@ -22,15 +22,24 @@ SERVER_OPTIONS = [
 ]
 
 
+Register = Callable[[grpc.aio.Server], None]
+
+
 class BackgroundServer:
-    """Serves ``handlers`` on ``host:port`` (port 0 picks a free one) from construction until ``stop()``."""
+    """Serves what ``register`` adds on ``host:port`` (port 0 picks a free one) until ``stop()``.
+
+    ``register(server)`` runs on the loop before the server starts (as the
+    generated ``add_XServicer_to_server`` functions expect); ``on_start`` and
+    ``on_stop`` run on the loop too.
+    """
 
     def __init__(
         self,
-        handlers: Sequence[grpc.GenericRpcHandler],
+        register: Register,
         service_names: Sequence[str],
         port: int = 0,
         host: str = "127.0.0.1",
+        on_start: Callable[[], Awaitable[None]] | None = None,
         on_stop: Callable[[], Awaitable[None]] | None = None,
     ):
         self.host = host
@@ -40,20 +49,22 @@ class BackgroundServer:
         self._thread = threading.Thread(target=self.loop.run_forever, name="pathways-loop", daemon=True)
         self._thread.start()
         try:
-            self.port = self.call(self._start(handlers, service_names, host, port))
+            self.port = self.call(self._start(register, service_names, host, port, on_start))
         except BaseException:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join()
             raise
 
-    async def _start(self, handlers, service_names, host: str, port: int) -> int:
+    async def _start(self, register: Register, service_names, host: str, port: int, on_start) -> int:
         self._server = grpc.aio.server(options=SERVER_OPTIONS)
-        self._server.add_generic_rpc_handlers(tuple(handlers))
+        register(self._server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         bound = self._server.add_insecure_port(f"{host}:{port}")
         if bound == 0:
             raise OSError(f"cannot listen on {host}:{port}; is the port in use?")
+        if on_start is not None:
+            await on_start()
         await self._server.start()
         for name in (*service_names, ""):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -7,6 +7,10 @@ A handler raises one of these; the session turns it into the response's
 
 from __future__ import annotations
 
+import logging
+
+_LOGGER = logging.getLogger(__name__)
+
 
 class RequestError(Exception):
     """A request that cannot be served; ``code`` is its absl status code."""
@@ -48,3 +52,37 @@ class Unavailable(RequestError):
 
 class Internal(RequestError):
     code = 13  # INTERNAL
+
+
+_STATUS_NAMES = {
+    "CANCELLED": 1,
+    "UNKNOWN": 2,
+    "INVALID_ARGUMENT": 3,
+    "DEADLINE_EXCEEDED": 4,
+    "NOT_FOUND": 5,
+    "ALREADY_EXISTS": 6,
+    "PERMISSION_DENIED": 7,
+    "RESOURCE_EXHAUSTED": 8,
+    "FAILED_PRECONDITION": 9,
+    "ABORTED": 10,
+    "OUT_OF_RANGE": 11,
+    "UNIMPLEMENTED": 12,
+    "INTERNAL": 13,
+    "UNAVAILABLE": 14,
+    "DATA_LOSS": 15,
+    "UNAUTHENTICATED": 16,
+}
+
+
+def as_request_error(error: BaseException) -> RequestError:
+    """Any failure as a ``RequestError``; XLA's ``"CODE: message"`` keeps its code."""
+    if isinstance(error, RequestError):
+        return error
+    message = str(error)
+    name, _, rest = message.partition(": ")
+    if name in _STATUS_NAMES and rest:
+        converted = RequestError(rest)
+        converted.code = _STATUS_NAMES[name]
+        return converted
+    _LOGGER.error("unexpected server error", exc_info=error)
+    return Internal(f"{type(error).__name__}: {message}")

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import threading
 
+from pathways_nb.dataflow import Pending
 from pathways_nb.protocol.errors import DeadlineExceeded, InvalidRequest, NotFound, Unavailable
 from pathways_nb.proxy.deadlines import Deadlines
-from pathways_nb.proxy.pending import Pending
 
 
 class HostBuffers:

@@ -15,8 +15,10 @@ class ProxyServer:
         self.context = ProxyContext(runtime, limits)
         self.service = IfrtProxyService(self.context)
         try:
+            handler = self.service.generic_handler()
             self._server = BackgroundServer(
-                [self.service.generic_handler()], [SERVICE_NAME], port, host, on_stop=self._close_sessions
+                lambda server: server.add_generic_rpc_handlers((handler,)),
+                [SERVICE_NAME], port, host, on_stop=self._close_sessions,
             )
         except BaseException:
             self.context.close()

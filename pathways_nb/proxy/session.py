@@ -17,53 +17,18 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
+from pathways_nb.dataflow import ArrayRecord, Pending, run_after
 from pathways_nb.protocol import schema
-from pathways_nb.protocol.errors import Internal, InvalidRequest, NotFound, RequestError, Unimplemented
+from pathways_nb.protocol.errors import InvalidRequest, NotFound, RequestError, Unimplemented, as_request_error
 from pathways_nb.proxy import dispatch
 from pathways_nb.proxy.context import ProxyContext
 from pathways_nb.proxy.host_buffers import HostBuffers
-from pathways_nb.proxy.pending import Pending, when_all
-from pathways_nb.proxy.records import ArrayRecord
 from pathways_nb.proxy.versions import Negotiated
 
 _LOGGER = logging.getLogger(__name__)
 
 # Handles the server makes start here; the client keeps its own below 2**48.
 SERVER_HANDLE_BASE = 1 << 48
-
-_STATUS_NAMES = {
-    "CANCELLED": 1,
-    "UNKNOWN": 2,
-    "INVALID_ARGUMENT": 3,
-    "DEADLINE_EXCEEDED": 4,
-    "NOT_FOUND": 5,
-    "ALREADY_EXISTS": 6,
-    "PERMISSION_DENIED": 7,
-    "RESOURCE_EXHAUSTED": 8,
-    "FAILED_PRECONDITION": 9,
-    "ABORTED": 10,
-    "OUT_OF_RANGE": 11,
-    "UNIMPLEMENTED": 12,
-    "INTERNAL": 13,
-    "UNAVAILABLE": 14,
-    "DATA_LOSS": 15,
-    "UNAUTHENTICATED": 16,
-}
-
-
-def as_request_error(error: BaseException) -> RequestError:
-    """Any failure as a ``RequestError``; XLA's ``"CODE: message"`` keeps its code."""
-    if isinstance(error, RequestError):
-        return error
-    message = str(error)
-    name, _, rest = message.partition(": ")
-    if name in _STATUS_NAMES and rest:
-        converted = RequestError(rest)
-        converted.code = _STATUS_NAMES[name]
-        return converted
-    _LOGGER.error("unexpected server error", exc_info=error)
-    return Internal(f"{type(error).__name__}: {message}")
-
 
 class Session:
     """The server side of one ``IfrtSession`` stream."""
@@ -165,7 +130,7 @@ class Session:
         for handle in handles:
             record = self.arrays.get(handle)
             if record is None:
-                self.arrays[handle] = ArrayRecord.failed(0, (), _NO_SHARDING, error)
+                self.arrays[handle] = ArrayRecord.failed(0, (), None, error)
             elif not record.ready:
                 record.fail(error)
 
@@ -195,44 +160,8 @@ class Session:
         outputs: Sequence[ArrayRecord] = (),
         on_error: Callable[[RequestError], None] | None = None,
     ) -> None:
-        """Runs ``work`` once every input has its value.
-
-        If the inputs are ready, ``work`` runs now and a failure (of an input
-        or of ``work``) raises here, so the request's reply carries it. If not,
-        ``work`` runs later under the session lock, and a failure goes to
-        ``on_error``. Either way each output record receives the failure.
-        """
-
-        def fail_outputs(error: BaseException) -> RequestError:
-            failure = as_request_error(error)
-            for record in outputs:
-                if not record.ready:
-                    record.fail(failure)
-            return failure
-
-        if all(record.ready for record in inputs):
-            try:
-                for record in inputs:
-                    if record.error is not None:
-                        raise record.error
-                work()
-            except Exception as error:
-                fail_outputs(error)
-                raise
-            return
-
-        def run_later(input_error: BaseException | None) -> None:
-            with self.lock:
-                try:
-                    if input_error is not None:
-                        raise input_error
-                    work()
-                except Exception as error:  # noqa: BLE001 - delivered to the dependents
-                    failure = fail_outputs(error)
-                    if on_error is not None:
-                        on_error(failure)
-
-        when_all([record.pending for record in inputs], run_later)
+        """Runs ``work`` once every input has its value (see ``dataflow.run_after``)."""
+        run_after(inputs, work, self.lock, outputs, on_error)
 
     def in_background(
         self,
@@ -290,5 +219,3 @@ def _unimplemented_message(kind: str | None) -> str:
         return "the request names no operation; this server needs a request from the IFRT proxy client"
     return f"{kind} is not implemented by the pathways-nb proxy server"
 
-
-_NO_SHARDING = None  # failed placeholders carry no sharding

@@ -6,12 +6,11 @@ import math
 
 import numpy as np
 
+from pathways_nb.dataflow import ArrayRecord, Pending, when_all
 from pathways_nb.protocol import dtypes, shardings
 from pathways_nb.protocol.errors import InvalidRequest, RequestError, Unimplemented
 from pathways_nb.protocol.shardings import IfrtSharding
 from pathways_nb.proxy.dispatch import DEFERRED, handles
-from pathways_nb.proxy.pending import Pending
-from pathways_nb.proxy.records import ArrayRecord
 
 ALWAYS_COPY, REUSE_INPUT, DONATE_INPUT = 1, 2, 3
 
@@ -147,8 +146,6 @@ def _make_from_shards(session, handle: int, spec) -> None:
                 record.set(session.runtime.put_shards(shape, sharding, shards))
             except RequestError as failure:
                 record.fail(failure)
-
-    from pathways_nb.proxy.pending import when_all
 
     when_all(uploads, all_arrived)
 

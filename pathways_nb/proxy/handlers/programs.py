@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pathways_nb.dataflow import ArrayRecord, Pending
 from pathways_nb.protocol import attributes, dtypes
 from pathways_nb.protocol.errors import InvalidRequest, Unimplemented
 from pathways_nb.proxy.context import CompileCache
 from pathways_nb.proxy.dispatch import DEFERRED, handles
-from pathways_nb.proxy.pending import Pending
-from pathways_nb.proxy.records import ArrayRecord
 from pathways_nb.runtime_api import ArgumentFacts, ProgramInfo, check_arguments
 
 XLA_PROGRAM = "xla::ifrt::XlaProgram"

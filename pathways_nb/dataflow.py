@@ -1,0 +1,191 @@
+"""Values that arrive later, and work chained onto them.
+
+Neither the proxy nor a worker ever waits on its request stream: a request
+whose inputs are not there yet (an upload still on its way, an array another
+worker is sending, a program waiting for its own inputs) is chained onto them
+with ``run_after``, and finishes on whichever thread delivers the last input.
+An ``ArrayRecord`` is what a server knows about one array handle: metadata at
+once, the device value or the error that stopped it later; every later use of
+a failed handle reports the original message.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pathways_nb.protocol.errors import RequestError, as_request_error
+from pathways_nb.protocol.shardings import IfrtSharding
+
+Callback = Callable[[Any, BaseException | None], None]
+
+
+class Pending:
+    """A value or an error, delivered once; callbacks run on the delivering thread."""
+
+    __slots__ = ("_callbacks", "_done", "_lock", "error", "value")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._done = False
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self._callbacks: list[Callback] = []
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def on_done(self, callback: Callback) -> None:
+        """Calls ``callback(value, error)`` now if done, else when done."""
+        with self._lock:
+            if not self._done:
+                self._callbacks.append(callback)
+                return
+        callback(self.value, self.error)
+
+    def resolve(self, value: Any) -> bool:
+        return self._finish(value, None)
+
+    def fail(self, error: BaseException) -> bool:
+        return self._finish(None, error)
+
+    def _finish(self, value: Any, error: BaseException | None) -> bool:
+        with self._lock:
+            if self._done:
+                return False
+            self.value, self.error, self._done = value, error, True
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback(value, error)
+        return True
+
+
+def when_all(pendings: Sequence[Pending], callback: Callable[[BaseException | None], None]) -> None:
+    """Calls ``callback(first_error_or_None)`` once every pending is done."""
+    if not pendings:
+        callback(None)
+        return
+    remaining = [len(pendings)]
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def one_done(_value: Any, error: BaseException | None) -> None:
+        with lock:
+            if error is not None:
+                errors.append(error)
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            callback(errors[0] if errors else None)
+
+    for pending in pendings:
+        pending.on_done(one_done)
+
+
+class ArrayRecord:
+    """An array of a session: metadata now, device value or error when known."""
+
+    __slots__ = ("_pending", "deleted", "error", "kind", "shape", "sharding", "value")
+
+    def __init__(self, kind: int, shape: tuple[int, ...], sharding: IfrtSharding | None, value=None):
+        self.kind = kind
+        self.shape = shape
+        self.sharding = sharding
+        self.value = value
+        self.error: RequestError | None = None
+        self.deleted = False
+        self._pending: Pending | None = None if value is not None else Pending()
+
+    @classmethod
+    def failed(
+        cls, kind: int, shape: tuple[int, ...], sharding: IfrtSharding | None, error: RequestError
+    ) -> ArrayRecord:
+        record = cls(kind, shape, sharding)
+        record.fail(error)
+        return record
+
+    @property
+    def ready(self) -> bool:
+        """True once the value or the error is known."""
+        return self._pending is None or self._pending.done
+
+    @property
+    def pending(self) -> Pending:
+        """Done when the value or the error is known."""
+        if self._pending is None:
+            self._pending = Pending()
+            self._pending.resolve(self.value)
+        return self._pending
+
+    def set(self, value) -> None:
+        self.value = value
+        if self._pending is not None:
+            self._pending.resolve(value)
+
+    def fail(self, error: RequestError) -> None:
+        self.error = error
+        if self._pending is None:
+            self._pending = Pending()
+        self._pending.fail(error)
+
+    def delete(self) -> None:
+        """Frees the device memory now, or as soon as the value exists."""
+        self.deleted = True
+        if self.ready:
+            if self.value is not None:
+                self.value.delete()
+        else:
+            self.pending.on_done(lambda value, _error: value is not None and value.delete())
+
+    @property
+    def is_deleted(self) -> bool:
+        return self.deleted or (self.value is not None and self.value.is_deleted())
+
+
+def run_after(
+    inputs: Sequence[ArrayRecord],
+    work: Callable[[], None],
+    lock,
+    outputs: Sequence[ArrayRecord] = (),
+    on_error: Callable[[RequestError], None] | None = None,
+) -> None:
+    """Runs ``work`` once every input has its value.
+
+    If the inputs are ready, ``work`` runs now and a failure (of an input or
+    of ``work``) raises here, so the request's reply can carry it. If not,
+    ``work`` runs later under ``lock``, and a failure goes to ``on_error``.
+    Either way each output record receives the failure.
+    """
+
+    def fail_outputs(error: BaseException) -> RequestError:
+        failure = as_request_error(error)
+        for record in outputs:
+            if not record.ready:
+                record.fail(failure)
+        return failure
+
+    if all(record.ready for record in inputs):
+        try:
+            for record in inputs:
+                if record.error is not None:
+                    raise record.error
+            work()
+        except Exception as error:
+            fail_outputs(error)
+            raise
+        return
+
+    def run_later(input_error: BaseException | None) -> None:
+        with lock:
+            try:
+                if input_error is not None:
+                    raise input_error
+                work()
+            except Exception as error:  # noqa: BLE001 - delivered to the dependents
+                failure = fail_outputs(error)
+                if on_error is not None:
+                    on_error(failure)
+
+    when_all([record.pending for record in inputs], run_later)

@@ -1,0 +1,141 @@
+"""The workers of a cluster: who they are, which devices they own, whether they are alive.
+
+A worker registers (again after every restart, with a new incarnation) and
+then heartbeats; one that misses heartbeats for ``worker_timeout_s`` is marked
+unhealthy, and healthy again when it registers anew.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pathways_nb.rm.topology import Topology
+from pathways_nb.rpc import cluster_pb2 as pb
+
+
+@dataclass
+class WorkerEntry:
+    worker_id: str
+    request: pb.RegisterWorkerRequest
+    incarnation: int
+    device_ids: list[int]
+    last_heartbeat: float = field(default_factory=time.monotonic)
+    healthy: bool = True
+
+    @property
+    def island(self) -> int:
+        return self.request.island
+
+    @property
+    def host_index(self) -> int:
+        return self.request.host_index
+
+
+class Registry:
+    """Workers and their devices; not thread-safe (the resource manager uses it from one loop)."""
+
+    def __init__(self, topology: Topology | None, worker_timeout_s: float):
+        self.topology = topology
+        self.worker_timeout_s = worker_timeout_s
+        self.workers: dict[str, WorkerEntry] = {}
+        self._incarnations = 0
+        # Free-form clusters (no topology): ids are handed out once per (island, host, local device).
+        self._assigned_ids: dict[tuple[int, int, int], int] = {}
+
+    def register(self, request: pb.RegisterWorkerRequest) -> WorkerEntry:
+        """Adds (or replaces) a worker; ``ValueError`` says why one does not fit the cluster."""
+        if not request.address or ":" not in request.address:
+            raise ValueError(f"worker address {request.address!r} is not host:port")
+        if not request.devices:
+            raise ValueError("a worker must own at least one device")
+        if self.topology is not None:
+            self.topology.check_worker(request.island, request.host_index, request.platform, len(request.devices))
+        elif request.island < 0 or request.host_index < 0:
+            raise ValueError("island and host index must be >= 0")
+        worker_id = f"island{request.island}-host{request.host_index}"
+        for other in self.workers.values():
+            if other.request.address == request.address and other.worker_id != worker_id:
+                raise ValueError(f"{request.address} is already registered as {other.worker_id}")
+        self._incarnations += 1
+        entry = WorkerEntry(
+            worker_id,
+            request,
+            self._incarnations,
+            [self._device_id(request.island, request.host_index, d.local_id) for d in request.devices],
+        )
+        self.workers[worker_id] = entry
+        return entry
+
+    def _device_id(self, island: int, host_index: int, local_id: int) -> int:
+        if self.topology is not None:
+            return self.topology.device_id(island, host_index, local_id)
+        key = (island, host_index, local_id)
+        if key not in self._assigned_ids:
+            self._assigned_ids[key] = len(self._assigned_ids)
+        return self._assigned_ids[key]
+
+    def heartbeat(self, worker_id: str, incarnation: int) -> bool:
+        """Records a heartbeat; False if the worker must register (again)."""
+        entry = self.workers.get(worker_id)
+        if entry is None or entry.incarnation != incarnation:
+            return False
+        entry.last_heartbeat = time.monotonic()
+        if not entry.healthy:
+            # A heartbeat from a worker declared dead: it was only slow, or the network came back.
+            entry.healthy = True
+        return True
+
+    def sweep(self) -> list[WorkerEntry]:
+        """Marks workers silent for too long unhealthy; returns those that just changed."""
+        now = time.monotonic()
+        changed = []
+        for entry in self.workers.values():
+            if entry.healthy and now - entry.last_heartbeat > self.worker_timeout_s:
+                entry.healthy = False
+                changed.append(entry)
+        return changed
+
+    def devices(self) -> list[pb.Device]:
+        """Every known device, in id order."""
+        devices = []
+        for entry in self.workers.values():
+            for device_id, local in zip(entry.device_ids, entry.request.devices, strict=True):
+                devices.append(
+                    pb.Device(
+                        id=device_id,
+                        island=entry.island,
+                        host_index=entry.host_index,
+                        local_id=local.local_id,
+                        worker_id=entry.worker_id,
+                        worker_address=entry.request.address,
+                        incarnation=entry.incarnation,
+                        platform=entry.request.platform,
+                        kind=local.kind,
+                        memory_kinds=local.memory_kinds,
+                        local_hardware_id=local.local_hardware_id,
+                        healthy=entry.healthy,
+                    )
+                )
+        return sorted(devices, key=lambda d: d.id)
+
+    def islands(self) -> list[int]:
+        return sorted({entry.island for entry in self.workers.values()})
+
+    def worker_states(self) -> list[pb.WorkerState]:
+        now = time.monotonic()
+        return [
+            pb.WorkerState(
+                worker_id=entry.worker_id,
+                address=entry.request.address,
+                island=entry.island,
+                host_index=entry.host_index,
+                healthy=entry.healthy,
+                heartbeat_age_s=now - entry.last_heartbeat,
+                hostname=entry.request.hostname,
+                incarnation=entry.incarnation,
+                device_ids=entry.device_ids,
+                pid=entry.request.pid,
+            )
+            for entry in sorted(self.workers.values(), key=lambda e: (e.island, e.host_index))
+        ]
