@@ -116,7 +116,22 @@ class DeviceValue(Protocol):
 
 
 class Runtime(Protocol):
-    """What the proxy needs from the devices it serves."""
+    """The devices a proxy serves: each client session gets its share with ``open_session``."""
+
+    def open_session(self, session_id: int, attributes: dict[str, Any]) -> DeviceSession:
+        """The devices of a new session (may wait for capacity; raises ``RequestError``)."""
+        ...
+
+
+class DeviceSession(Protocol):
+    """What one client session's requests need from its devices."""
+
+    @property
+    def device_ids(self) -> tuple[int, ...]: ...
+
+    def release(self) -> None:
+        """Frees everything the session holds on its devices, and the devices themselves."""
+        ...
 
     @property
     def platform(self) -> str: ...

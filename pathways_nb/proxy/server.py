@@ -18,7 +18,10 @@ class ProxyServer:
             handler = self.service.generic_handler()
             self._server = BackgroundServer(
                 lambda server: server.add_generic_rpc_handlers((handler,)),
-                [SERVICE_NAME], port, host, on_stop=self._close_sessions,
+                [SERVICE_NAME],
+                port,
+                host,
+                on_stop=self._close_sessions,
             )
         except BaseException:
             self.context.close()

@@ -13,7 +13,7 @@ import asyncio
 import itertools
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -34,12 +34,6 @@ STORE_METADATA_KEY = "ifrt-proxy-grpc-host-buffer-store-metadata-bin"
 CHUNK_BYTES = 1 << 20
 
 _GRPC_CODES = {code.value[0]: code for code in grpc.StatusCode}
-
-# The devices a new session gets, asked when a session opens. The
-# single-process server gives every session all its devices; the cluster asks
-# its resource manager instead.
-DevicePlan = Callable[[Session], Sequence[int]]
-
 
 class _Outbox:
     """A session's replies, queued from any thread, written by the stream's generator."""
@@ -74,10 +68,9 @@ class _Closed:
 class IfrtProxyService:
     """The servicer: sessions by id, and the four host-buffer side channels."""
 
-    def __init__(self, context: ProxyContext, device_plan: DevicePlan | None = None):
+    def __init__(self, context: ProxyContext):
         self.context = context
         self.messages = schema.load()
-        self._device_plan = device_plan
         self._sessions: dict[int, Session] = {}
         self._outboxes: dict[int, _Outbox] = {}
         self._sessions_lock = threading.Lock()
@@ -117,11 +110,9 @@ class IfrtProxyService:
             session_id,
             versions.Negotiated(version.protocol_version, version.ifrt_serdes_version_number),
             self.context,
-            device_ids=(),
             send=outbox.put,
             init_attributes=attributes.to_dict(metadata.initialization_data),
         )
-        session.device_ids = tuple(self._plan(session))
         with self._sessions_lock:
             self._sessions[session_id] = session
             self._outboxes[session_id] = outbox
@@ -141,11 +132,6 @@ class IfrtProxyService:
         finally:
             reader.cancel()
             self._end_session(session_id, "the client disconnected")
-
-    def _plan(self, session: Session) -> Sequence[int]:
-        if self._device_plan is None:
-            return [d.id for d in self.context.runtime.devices]
-        return self._device_plan(session)
 
     async def _session_metadata(self, context):
         for key, value in context.invocation_metadata():

@@ -19,16 +19,26 @@ from typing import Any
 
 from pathways_nb.dataflow import ArrayRecord, Pending, run_after
 from pathways_nb.protocol import schema
-from pathways_nb.protocol.errors import InvalidRequest, NotFound, RequestError, Unimplemented, as_request_error
+from pathways_nb.protocol.errors import (
+    FailedPrecondition,
+    InvalidRequest,
+    NotFound,
+    RequestError,
+    Unavailable,
+    Unimplemented,
+    as_request_error,
+)
 from pathways_nb.proxy import dispatch
 from pathways_nb.proxy.context import ProxyContext
 from pathways_nb.proxy.host_buffers import HostBuffers
 from pathways_nb.proxy.versions import Negotiated
+from pathways_nb.runtime_api import DeviceSession
 
 _LOGGER = logging.getLogger(__name__)
 
 # Handles the server makes start here; the client keeps its own below 2**48.
 SERVER_HANDLE_BASE = 1 << 48
+
 
 class Session:
     """The server side of one ``IfrtSession`` stream."""
@@ -38,15 +48,14 @@ class Session:
         session_id: int,
         version: Negotiated,
         context: ProxyContext,
-        device_ids: Sequence[int],
         send: Callable[[Any], None],
         init_attributes: dict | None = None,
     ):
         self.session_id = session_id
         self.version = version
         self.context = context
-        self.runtime = context.runtime
-        self.device_ids = tuple(device_ids)
+        # The session's devices, from ``open_devices`` (the init request).
+        self._devices: DeviceSession | None = None
         # What the client sent as ClientConnectionOptions.initialization_data.
         self.init_attributes = init_attributes or {}
         self.messages = schema.load()
@@ -59,6 +68,28 @@ class Session:
         self._send = send
         self._server_handles = itertools.count(SERVER_HANDLE_BASE)
         self.requests_served = 0
+
+    # -- devices ---------------------------------------------------------------------------
+
+    def open_devices(self) -> DeviceSession:
+        """Gets this session's devices (blocks while the cluster has no capacity)."""
+        devices = self.context.runtime.open_session(self.session_id, self.init_attributes)
+        with self.lock:
+            if self.closed:
+                devices.release()
+                raise Unavailable("the session ended while it waited for devices")
+            self._devices = devices
+        return devices
+
+    @property
+    def runtime(self) -> DeviceSession:
+        if self._devices is None:
+            raise FailedPrecondition("the session has no devices yet: send init first")
+        return self._devices
+
+    @property
+    def device_ids(self) -> tuple[int, ...]:
+        return self.runtime.device_ids
 
     # -- serving ---------------------------------------------------------------------------
 
@@ -198,6 +229,8 @@ class Session:
             if record.value is not None and not record.value.is_deleted():
                 record.value.delete()
         del futures, arrays
+        if self._devices is not None:
+            self._devices.release()
         release_free_memory()
 
 
@@ -218,4 +251,3 @@ def _unimplemented_message(kind: str | None) -> str:
     if kind is None:
         return "the request names no operation; this server needs a request from the IFRT proxy client"
     return f"{kind} is not implemented by the pathways-nb proxy server"
-

@@ -80,9 +80,7 @@ class Allocator:
                 known = sorted({d.island for d in devices})
                 raise Unsatisfiable(f"no island {missing} in this cluster (islands: {known})")
         if ticket.num_devices > len(pool):
-            raise Unsatisfiable(
-                f"{ticket.num_devices} devices were asked for, but the chosen islands have {len(pool)}"
-            )
+            raise Unsatisfiable(f"{ticket.num_devices} devices were asked for, but the chosen islands have {len(pool)}")
         if not pool:
             raise Unsatisfiable("the cluster has no devices yet: no worker has registered")
 

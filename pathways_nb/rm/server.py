@@ -26,7 +26,11 @@ class ResourceManagerServer:
 
         self._server = BackgroundServer(
             lambda server: cluster_pb2_grpc.add_ResourceManagerServicer_to_server(self.service, server),
-            [SERVICE_NAME], port, host, on_start=start, on_stop=self.service.stop,
+            [SERVICE_NAME],
+            port,
+            host,
+            on_start=start,
+            on_stop=self.service.stop,
         )
         self.host, self.port = host, self._server.port
 

@@ -59,7 +59,10 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
             for entry in self.registry.sweep():
                 _LOGGER.warning(
                     "worker %s (%s) missed heartbeats for %.1f s: island %d is unhealthy",
-                    entry.worker_id, entry.request.address, self.registry.worker_timeout_s, entry.island,
+                    entry.worker_id,
+                    entry.request.address,
+                    self.registry.worker_timeout_s,
+                    entry.island,
                 )
                 self._changed()
 
@@ -76,7 +79,10 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot register worker: {e}")
         _LOGGER.info(
             "worker %s registered at %s (incarnation %d, devices %s)",
-            entry.worker_id, request.address, entry.incarnation, entry.device_ids,
+            entry.worker_id,
+            request.address,
+            entry.incarnation,
+            entry.device_ids,
         )
         self._grant()
         self._changed()

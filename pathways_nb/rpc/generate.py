@@ -1,6 +1,6 @@
 """Regenerates cluster_pb2.py and cluster_pb2_grpc.py from cluster.proto (needs grpcio-tools).
 
-    python -m pathways_nb.rpc.generate
+python -m pathways_nb.rpc.generate
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ import numpy as np
 from pathways_nb.protocol import schema
 from pathways_nb.protocol.errors import FailedPrecondition, InvalidRequest, NotFound, ResourceExhausted
 from pathways_nb.protocol.shardings import IfrtSharding
+from pathways_nb.rpc.convert import output_shardings as output_shardings_of
 from pathways_nb.runtime_api import ArgumentFacts, DeviceDescription, ProgramInfo, check_arguments
 from pathways_nb.worker import signature as program_signature
 
@@ -63,6 +64,19 @@ class LocalRuntime:
         self.devices = sorted(jax.local_devices(), key=lambda d: d.id)
         self.client = self.devices[0].client
         self._by_id = {d.id: d for d in self.devices}
+
+    # -- sessions --------------------------------------------------------------------------
+
+    def open_session(self, session_id: int, attributes: dict) -> LocalRuntime:
+        """Every session of a single-process server shares all its devices."""
+        return self
+
+    @property
+    def device_ids(self) -> tuple[int, ...]:
+        return tuple(d.id for d in self.devices)
+
+    def release(self) -> None:
+        """Nothing to give back: the session's arrays are deleted by the proxy."""
 
     # -- devices ---------------------------------------------------------------------------
 
@@ -220,7 +234,7 @@ class LocalRuntime:
         device_ids = tuple(device_ids)
         parameter_ops = _serialized(executable.get_parameter_shardings())
         output_ops = _serialized(executable.get_output_shardings())
-        output_shardings = _shardings(output_ops, device_ids, len(signature.results))
+        output_shardings = output_shardings_of(output_ops, device_ids, len(signature.results))
         memory_kinds = tuple(executable.get_output_memory_kinds()[0]) if signature.results else ()
         handlers = []
         for aval, sharding, kind in zip(signature.results, output_shardings, memory_kinds, strict=True):
@@ -292,22 +306,6 @@ def _sharding_of(array) -> IfrtSharding:
 
 def _serialized(op_shardings) -> tuple[bytes, ...] | None:
     return None if op_shardings is None else tuple(op.SerializeToString() for op in op_shardings)
-
-
-def _shardings(
-    op_shardings: tuple[bytes, ...] | None, device_ids: tuple[int, ...], count: int
-) -> tuple[IfrtSharding, ...]:
-    if op_shardings is None or len(device_ids) == 1:
-        return tuple(IfrtSharding(device_ids) for _ in range(count))
-    from jax._src.lib import xla_client as xc
-
-    result = []
-    for serialized in op_shardings:
-        op = xc.OpSharding()
-        op.ParseFromString(serialized)
-        replicated = xc.HloSharding.from_proto(op).is_replicated()
-        result.append(IfrtSharding(device_ids, None, None if replicated else serialized))
-    return tuple(result)
 
 
 def _minor_to_major(layout) -> tuple[int, ...]:

@@ -13,8 +13,20 @@ RUNTIME_TYPE = "pathways-nb"
 
 @handles("init_request")
 def init(session, request, op_id):
-    """Describes the devices of the session's allocation: the client's ``jax.devices()``."""
-    runtime = session.runtime
+    """Gets the session's devices (off the stream: a cluster may make it wait) and describes them."""
+
+    def described(runtime, error):
+        if error is not None:
+            session.reply_error(op_id, error)
+        else:
+            session.reply(op_id, "init_response", _describe(session, runtime))
+
+    session.in_background(session.open_devices, described, pool=session.context.compile_pool)
+    return DEFERRED
+
+
+def _describe(session, runtime):
+    """The client's view of the session's devices: ``jax.devices()`` and their memories."""
     response = session.messages.proxy.InitResponse(
         session_id=session.session_id,
         platform_name=runtime.platform,
@@ -22,7 +34,7 @@ def init(session, request, op_id):
         process_index=0,
         runtime_type=RUNTIME_TYPE,
     )
-    for device in runtime.describe_devices(session.device_ids):
+    for device in runtime.describe_devices(runtime.device_ids):
         memory_ids = [device.id * len(MEMORY_KINDS) + MEMORY_KINDS.index(kind) for kind in device.memory_kinds]
         proto = response.all_devices.add(
             id=device.id,
@@ -47,8 +59,8 @@ def init(session, request, op_id):
                 debug_string=f"{kind.upper()}_{memory_id}",
                 to_string=f"{kind}:{device.id}",
             )
-    response.primary_device_ids.extend(session.device_ids)
-    response.addressable_device_ids.extend(session.device_ids)
+    response.primary_device_ids.extend(runtime.device_ids)
+    response.addressable_device_ids.extend(runtime.device_ids)
     attributes.fill(response.client_attributes, {"pathways_nb_version": __version__})
     return response
 

@@ -1,0 +1,98 @@
+"""Conversions between the cluster RPC messages and the values the proxy and workers use."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pathways_nb.protocol import dtypes
+from pathways_nb.protocol.shardings import IfrtSharding
+from pathways_nb.rpc import cluster_pb2 as pb
+from pathways_nb.runtime_api import Aval, ProgramInfo, Signature
+
+
+def sharding_from_proto(proto: pb.Sharding) -> IfrtSharding:
+    return IfrtSharding(
+        tuple(proto.device_ids),
+        proto.memory_kind if proto.has_memory_kind else None,
+        proto.op_sharding or None,
+    )
+
+
+def sharding_to_proto(sharding: IfrtSharding) -> pb.Sharding:
+    return pb.Sharding(
+        device_ids=sharding.device_ids,
+        op_sharding=sharding.op_sharding or b"",
+        has_memory_kind=sharding.memory_kind is not None,
+        memory_kind=sharding.memory_kind or "",
+    )
+
+
+def array_meta(kind: int, shape: tuple[int, ...], sharding: IfrtSharding) -> pb.ArrayMeta:
+    return pb.ArrayMeta(dtype_kind=kind, shape=shape, sharding=sharding_to_proto(sharding))
+
+
+def _aval_to_proto(aval: Aval) -> pb.Aval:
+    kind = dtypes.TOKEN_KIND if aval.is_token else dtypes.from_numpy(aval.dtype)
+    return pb.Aval(dtype_kind=kind, shape=aval.shape)
+
+
+def _aval_from_proto(proto: pb.Aval) -> Aval:
+    dtype = None if proto.dtype_kind == dtypes.TOKEN_KIND else np.dtype(dtypes.to_numpy(proto.dtype_kind))
+    return Aval(tuple(proto.shape), dtype)
+
+
+def program_to_proto(program: ProgramInfo) -> pb.CompiledProgram:
+    proto = pb.CompiledProgram(
+        name=program.name,
+        has_fingerprint=program.fingerprint is not None,
+        fingerprint=program.fingerprint or b"",
+        args=[_aval_to_proto(a) for a in program.signature.args],
+        results=[_aval_to_proto(a) for a in program.signature.results],
+        has_parameter_shardings=program.parameter_op_shardings is not None,
+        parameter_shardings=program.parameter_op_shardings or (),
+        has_output_shardings=program.output_op_shardings is not None,
+        output_shardings=program.output_op_shardings or (),
+        parameter_layouts=[pb.Layout(minor_to_major=m) for m in program.parameter_layouts],
+        output_layouts=[pb.Layout(minor_to_major=m) for m in program.output_layouts],
+        output_memory_kinds=program.output_memory_kinds,
+        donated_args=sorted(program.donated_args),
+    )
+    proto.memory_stats.update(program.memory_stats)
+    return proto
+
+
+def program_from_proto(proto: pb.CompiledProgram, device_ids: tuple[int, ...]) -> ProgramInfo:
+    """The program as the proxy reports it, over ``device_ids`` (the proxy's ids)."""
+    output_ops = tuple(proto.output_shardings) if proto.has_output_shardings else None
+    results = tuple(_aval_from_proto(a) for a in proto.results)
+    return ProgramInfo(
+        device_ids=device_ids,
+        signature=Signature(tuple(_aval_from_proto(a) for a in proto.args), results),
+        output_shardings=output_shardings(output_ops, device_ids, len(results)),
+        parameter_op_shardings=tuple(proto.parameter_shardings) if proto.has_parameter_shardings else None,
+        output_op_shardings=output_ops,
+        parameter_layouts=tuple(tuple(layout.minor_to_major) for layout in proto.parameter_layouts),
+        output_layouts=tuple(tuple(layout.minor_to_major) for layout in proto.output_layouts),
+        output_memory_kinds=tuple(proto.output_memory_kinds),
+        memory_stats=dict(proto.memory_stats),
+        donated_args=frozenset(proto.donated_args),
+        name=proto.name,
+        fingerprint=proto.fingerprint if proto.has_fingerprint else None,
+    )
+
+
+def output_shardings(
+    op_shardings: tuple[bytes, ...] | None, device_ids: tuple[int, ...], count: int
+) -> tuple[IfrtSharding, ...]:
+    """Each result's sharding over ``device_ids`` from XLA's output OpShardings."""
+    if op_shardings is None or len(device_ids) == 1:
+        return tuple(IfrtSharding(device_ids) for _ in range(count))
+    from jax._src.lib import xla_client as xc
+
+    result = []
+    for serialized in op_shardings:
+        op = xc.OpSharding()
+        op.ParseFromString(serialized)
+        replicated = xc.HloSharding.from_proto(op).is_replicated()
+        result.append(IfrtSharding(device_ids, None, None if replicated else serialized))
+    return tuple(result)

@@ -1,0 +1,106 @@
+"""A worker process: serves its devices and keeps itself registered with the resource manager.
+
+It registers at start (retrying until the resource manager answers), then
+heartbeats; when the resource manager does not know it (it restarted, or
+declared this worker dead), it registers again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+
+import grpc
+
+from pathways_nb.aio_server import BackgroundServer
+from pathways_nb.rpc import cluster_pb2 as pb
+from pathways_nb.rpc import cluster_pb2_grpc
+from pathways_nb.worker.runtime import LocalRuntime
+from pathways_nb.worker.service import SERVICE_NAME, WorkerService, local_devices
+
+_LOGGER = logging.getLogger(__name__)
+
+
+class WorkerServer:
+    """Serves ``runtime``'s devices as host ``host_index`` of ``island``."""
+
+    def __init__(
+        self,
+        runtime: LocalRuntime,
+        resource_manager_address: str,
+        island: int = 0,
+        host_index: int = 0,
+        port: int = 0,
+        host: str = "127.0.0.1",
+        advertise_host: str | None = None,
+        register_timeout_s: float = 60.0,
+    ):
+        self.runtime = runtime
+        self.island, self.host_index = island, host_index
+        self.service = WorkerService(runtime)
+        self._server = BackgroundServer(
+            lambda server: cluster_pb2_grpc.add_WorkerServicer_to_server(self.service, server),
+            [SERVICE_NAME], port, host,
+        )
+        self.port = self._server.port
+        self.advertised = f"{advertise_host or host}:{self.port}"
+        self._rm = cluster_pb2_grpc.ResourceManagerStub(grpc.insecure_channel(resource_manager_address))
+        self._stopped = threading.Event()
+        self.registration = self._register(register_timeout_s)
+        self._heartbeats = threading.Thread(target=self._heartbeat_forever, name="pathways-heartbeat", daemon=True)
+        self._heartbeats.start()
+
+    def _register(self, timeout_s: float) -> pb.RegisterWorkerResponse:
+        request = pb.RegisterWorkerRequest(
+            address=self.advertised,
+            island=self.island,
+            host_index=self.host_index,
+            platform=self.runtime.platform,
+            platform_version=self.runtime.platform_version,
+            devices=local_devices(self.runtime),
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+        )
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                response = self._rm.RegisterWorker(request, timeout=5)
+                _LOGGER.info("registered as %s with devices %s", response.worker_id, list(response.device_ids))
+                return response
+            except grpc.RpcError as error:
+                if error.code() == grpc.StatusCode.INVALID_ARGUMENT or time.monotonic() > deadline:
+                    self._server.stop(0)
+                    raise RuntimeError(f"the resource manager refused this worker: {error.details()}") from None
+                time.sleep(0.2)
+
+    def _heartbeat_forever(self) -> None:
+        while not self._stopped.wait(self.registration.heartbeat_interval_s):
+            try:
+                known = self._rm.Heartbeat(
+                    pb.HeartbeatRequest(
+                        worker_id=self.registration.worker_id, incarnation=self.registration.incarnation
+                    ),
+                    timeout=5,
+                ).known
+                if not known:
+                    _LOGGER.warning("the resource manager does not know this worker: registering again")
+                    self.registration = self._register(timeout_s=float("inf"))
+            except grpc.RpcError as error:
+                _LOGGER.warning("heartbeat failed (%s); retrying", error.code().name)
+            except RuntimeError:
+                _LOGGER.exception("re-registration failed")
+
+    @property
+    def address(self) -> str:
+        return self.advertised
+
+    def stop(self, grace_s: float | None = 1.0) -> None:
+        self._stopped.set()
+        self._server.stop(grace_s)
+        self.service.close()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        return self._server.wait(timeout_s)

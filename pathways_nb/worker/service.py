@@ -1,0 +1,186 @@
+"""The worker's gRPC service: one command stream per proxy session, and arrays pushed by peers.
+
+Commands are served on the asyncio loop as they arrive; blocking work
+(reading arrays back, waiting for devices, compiling, sending to peers) runs
+on a thread pool. Replies are batched: everything queued when the stream's
+writer wakes goes out in one message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+
+from pathways_nb.aio_server import SERVER_OPTIONS
+from pathways_nb.protocol.errors import RequestError, as_request_error
+from pathways_nb.rpc import cluster_pb2 as pb
+from pathways_nb.rpc import cluster_pb2_grpc
+from pathways_nb.worker.programs import Programs
+from pathways_nb.worker.runtime import LocalRuntime
+from pathways_nb.worker.session import CHUNK_BYTES, WorkerSession
+
+_LOGGER = logging.getLogger(__name__)
+
+SERVICE_NAME = "pathways_nb.v1.Worker"
+
+
+class _Replies:
+    """Replies queued from any thread, drained in batches by the stream's writer."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        self._lock = threading.Lock()
+        self._items: list[pb.Reply] = []
+        self._ready = asyncio.Event()
+        self._closed = False
+
+    def put(self, reply: pb.Reply) -> None:
+        with self._lock:
+            self._items.append(reply)
+            first = len(self._items) == 1
+        if first:
+            self._wake()
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake()
+
+    def _wake(self) -> None:
+        if threading.get_ident() == self._loop_thread:
+            self._ready.set()
+        else:
+            self._loop.call_soon_threadsafe(self._ready.set)
+
+    async def batches(self) -> AsyncIterator[pb.ReplyBatch]:
+        while True:
+            await self._ready.wait()
+            self._ready.clear()
+            with self._lock:
+                items, self._items = self._items, []
+            if items:
+                yield pb.ReplyBatch(replies=items)
+            if self._closed:
+                return
+
+
+class WorkerService(cluster_pb2_grpc.WorkerServicer):
+    def __init__(self, runtime: LocalRuntime, threads: int = 8):
+        self.runtime = runtime
+        self.programs = Programs(runtime)
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="pathways-worker")
+        self.sessions: dict[str, WorkerSession] = {}
+        self._peers: dict[str, cluster_pb2_grpc.WorkerStub] = {}
+        self._peers_lock = threading.Lock()
+
+    def background(
+        self, work: Callable[[], object], done: Callable[[object, RequestError | None], None]
+    ) -> None:
+        def run() -> None:
+            try:
+                result, error = work(), None
+            except Exception as failure:  # noqa: BLE001 - handed to ``done``
+                result, error = None, as_request_error(failure)
+            done(result, error)
+
+        self.pool.submit(run)
+
+    async def Session(self, request_iterator, context):
+        replies = _Replies()
+        first = await request_iterator.__anext__()
+        key = first.session
+        if not key:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first command batch must name its session")
+        if key in self.sessions:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"session {key} is already open on this worker")
+        session = WorkerSession(key, self.runtime, self.programs, self.background, replies.put, self.push)
+        self.sessions[key] = session
+        _LOGGER.info("session %s opened", key)
+
+        async def serve() -> None:
+            try:
+                batch = first
+                while True:
+                    for command in batch.commands:
+                        session.handle(command)
+                    batch = await request_iterator.__anext__()
+            except StopAsyncIteration:
+                pass
+            except (grpc.aio.AioRpcError, asyncio.CancelledError):
+                pass
+            except Exception:
+                _LOGGER.exception("session %s failed", key)
+            replies.close()
+
+        reader = asyncio.create_task(serve())
+        try:
+            async for batch in replies.batches():
+                yield batch
+        finally:
+            reader.cancel()
+            self.sessions.pop(key, None)
+            session.close()
+            _LOGGER.info("session %s closed", key)
+
+    async def PushArray(self, request_iterator, context):
+        header = None
+        buffer = bytearray()
+        async for chunk in request_iterator:
+            if header is None:
+                header = chunk
+            buffer += chunk.data
+        if header is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "an empty push: the first chunk names the array")
+        session = self.sessions.get(header.session)
+        if session is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"session {header.session} is not open on this worker")
+        error = header.error if header.HasField("error") else None
+        session.arrive(header.id, header.meta, buffer, error)
+        return pb.PushArrayResponse()
+
+    def push(self, peer_address: str, header: pb.ArrayChunk, read: Callable[[], np.ndarray | None]) -> None:
+        """Sends an array to a peer worker (runs on a pool thread)."""
+        host = read()
+        data = memoryview(host.reshape(-1).view(np.uint8)) if host is not None else memoryview(b"")
+
+        def chunks():
+            yield header
+            for start in range(0, data.nbytes, CHUNK_BYTES):
+                yield pb.ArrayChunk(data=data[start : start + CHUNK_BYTES].tobytes())
+
+        try:
+            self._peer(peer_address).PushArray(chunks())
+        except grpc.RpcError as error:
+            _LOGGER.warning("sending array %d to %s failed: %s", header.id, peer_address, error.details())
+
+    def _peer(self, address: str) -> cluster_pb2_grpc.WorkerStub:
+        with self._peers_lock:
+            stub = self._peers.get(address)
+            if stub is None:
+                stub = cluster_pb2_grpc.WorkerStub(grpc.insecure_channel(address, options=SERVER_OPTIONS))
+                self._peers[address] = stub
+            return stub
+
+    def close(self) -> None:
+        for session in list(self.sessions.values()):
+            session.close()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def local_devices(runtime: LocalRuntime) -> list[pb.LocalDevice]:
+    return [
+        pb.LocalDevice(
+            local_id=d.id,
+            kind=d.kind,
+            memory_kinds=d.memory_kinds,
+            local_hardware_id=d.local_hardware_id,
+            debug_string=d.debug_string,
+        )
+        for d in runtime.describe_devices([device.id for device in runtime.devices])
+    ]

@@ -1,0 +1,292 @@
+"""One proxy session's view of a worker: its arrays by id, and the commands that act on them.
+
+Commands arrive in the order the proxy issued them and are served in that
+order without waiting on a device; a command whose inputs are not there yet
+(a chunked upload, an array another worker is sending) is chained onto them.
+Only commands that ask for something (compile, fetch, wait, queries) reply.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from pathways_nb.dataflow import ArrayRecord, run_after
+from pathways_nb.protocol import dtypes
+from pathways_nb.protocol.errors import InvalidRequest, NotFound, RequestError, as_request_error
+from pathways_nb.rpc import cluster_pb2 as pb
+from pathways_nb.rpc.convert import sharding_from_proto
+from pathways_nb.worker.programs import Programs
+from pathways_nb.worker.runtime import LocalRuntime
+
+_LOGGER = logging.getLogger(__name__)
+
+# Replies and pushes carry at most this much array data per message.
+CHUNK_BYTES = 4 << 20
+
+
+def host_array(data, meta: pb.ArrayMeta) -> np.ndarray:
+    """Row-major host bytes as the array ``meta`` describes; a clear error if they do not fit."""
+    dtype = dtypes.to_numpy(meta.dtype_kind)
+    shape = tuple(meta.shape)
+    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if len(data) != expected:
+        raise InvalidRequest(f"{len(data)} bytes arrived for a {dtype}{list(shape)} array, which needs {expected}")
+    return np.frombuffer(data, dtype).reshape(shape)
+
+
+class WorkerSession:
+    """The arrays and pending work of one proxy session on this worker."""
+
+    def __init__(
+        self,
+        key: str,
+        runtime: LocalRuntime,
+        programs: Programs,
+        background: Callable[[Callable[[], object], Callable[[object, RequestError | None], None]], None],
+        reply: Callable[[pb.Reply], None],
+        push: Callable[[str, pb.ArrayChunk, Callable[[], object]], None],
+    ):
+        self.key = key
+        self.runtime = runtime
+        self.programs = programs
+        self._background = background
+        self._reply = reply
+        self._push = push
+        self.lock = threading.RLock()
+        self.arrays: dict[int, ArrayRecord] = {}
+        self._uploads: dict[int, bytearray] = {}
+        self.closed = False
+
+    # -- records ---------------------------------------------------------------------------
+
+    def _record(self, array_id: int) -> ArrayRecord:
+        try:
+            return self.arrays[array_id]
+        except KeyError:
+            raise NotFound(f"array {array_id} is unknown on this worker (session {self.key})") from None
+
+    def _new(self, array_id: int, meta: pb.ArrayMeta | None = None) -> ArrayRecord:
+        if array_id in self.arrays:
+            raise InvalidRequest(f"array id {array_id} is already in use in session {self.key}")
+        sharding = sharding_from_proto(meta.sharding) if meta is not None else None
+        record = ArrayRecord(meta.dtype_kind if meta else 0, tuple(meta.shape) if meta else (), sharding)
+        self.arrays[array_id] = record
+        return record
+
+    def _derive(self, inputs: Sequence[ArrayRecord], outputs: Sequence[ArrayRecord], work: Callable[[], None]) -> None:
+        run_after(inputs, work, self.lock, outputs)
+
+    # -- serving ---------------------------------------------------------------------------
+
+    def handle(self, command: pb.Command) -> None:
+        kind = command.WhichOneof("command")
+        body = getattr(command, kind) if kind else None
+        with self.lock:
+            try:
+                if kind is None:
+                    raise InvalidRequest("a command with no operation")
+                getattr(self, f"_{kind}")(body)
+            except Exception as error:  # noqa: BLE001 - one bad command must not end the session
+                failure = as_request_error(error)
+                request = getattr(body, "request", 0)
+                if request:
+                    self._reply(pb.Reply(request=request, error=pb.Status(code=failure.code, message=failure.message)))
+                else:
+                    _LOGGER.debug("session %s: %s failed: %s", self.key, kind, failure.message)
+
+    def _put(self, command: pb.Put) -> None:
+        if command.id not in self._uploads:
+            record = self._new(command.id, command.meta)
+            self._uploads[command.id] = bytearray()
+        else:
+            record = self.arrays[command.id]
+        buffer = self._uploads[command.id]
+        buffer += command.data
+        if command.more:
+            return
+        del self._uploads[command.id]
+        try:
+            record.set(self.runtime.put(host_array(buffer, command.meta), record.sharding))
+        except RequestError as failure:
+            record.fail(failure)
+
+    def _assemble(self, command: pb.Assemble) -> None:
+        parts = [self._record(i) for i in command.parts]
+        record = self._new(command.id, command.meta)
+        self._derive(
+            parts,
+            [record],
+            lambda: record.set(self.runtime.assemble(record.shape, record.sharding, [p.value for p in parts])),
+        )
+
+    def _disassemble(self, command: pb.Disassemble) -> None:
+        source = self._record(command.source)
+        sharding = sharding_from_proto(command.sharding)
+        outputs = [self._new(i) for i in command.ids]
+
+        def split() -> None:
+            for output, value in zip(outputs, self.runtime.disassemble(source.value, sharding), strict=True):
+                output.set(value)
+
+        self._derive([source], outputs, split)
+
+    def _copy(self, command: pb.Copy) -> None:
+        source = self._record(command.source)
+        sharding = sharding_from_proto(command.sharding)
+        record = self._new(command.id)
+        self._derive([source], [record], lambda: record.set(self.runtime.copy(source.value, sharding)))
+
+    def _compile(self, command: pb.Compile) -> None:
+        def compile_now():
+            return self.programs.compile(
+                command.program, command.stablehlo, command.compile_options, tuple(command.device_ids)
+            )
+
+        def done(compiled, error):
+            if error is not None:
+                self._reply(pb.Reply(request=command.request, error=pb.Status(code=error.code, message=error.message)))
+            else:
+                self._reply(pb.Reply(request=command.request, compiled=compiled))
+
+        self._background(compile_now, done)
+
+    def _execute(self, command: pb.Execute) -> None:
+        program = self.programs.get(command.program)
+        args = [self._record(i) for i in command.args]
+        results = [self._new(i) for i in command.results]
+        keep = frozenset(command.keep)
+
+        def run() -> None:
+            values = self.runtime.execute(program, [a.value for a in args], keep)
+            for record, value in zip(results, values, strict=True):
+                record.set(value)
+
+        self._derive(args, results, run)
+
+    def _fetch(self, command: pb.Fetch) -> None:
+        record = self._record(command.id)
+        self._answer_when_ready([record], command.request, lambda: self._send_bytes(command.request, record.value))
+
+    def _send_bytes(self, request: int, value) -> None:
+        data = memoryview(np.ascontiguousarray(self.runtime.to_host(value)).reshape(-1).view(np.uint8))
+        if not data.nbytes:
+            self._reply(pb.Reply(request=request, data=b""))
+        for start in range(0, data.nbytes, CHUNK_BYTES):
+            end = min(start + CHUNK_BYTES, data.nbytes)
+            self._reply(pb.Reply(request=request, data=data[start:end].tobytes(), more=end < data.nbytes))
+
+    def _wait(self, command: pb.Wait) -> None:
+        records = [self._record(i) for i in command.ids]
+
+        def wait() -> None:
+            for record in records:
+                if not record.is_deleted:
+                    record.value.block_until_ready()
+            self._reply(pb.Reply(request=command.request, done=True))
+
+        self._answer_when_ready(records, command.request, wait)
+
+    def _answer_when_ready(self, records: Sequence[ArrayRecord], request: int, blocking: Callable[[], None]) -> None:
+        """Runs ``blocking`` in the background once ``records`` exist; replies the error if any."""
+
+        def failed(_result, error):
+            if error is not None:
+                self._reply(pb.Reply(request=request, error=pb.Status(code=error.code, message=error.message)))
+
+        def on_error(error: RequestError) -> None:
+            failed(None, error)
+
+        run_after(records, lambda: self._background(blocking, failed), self.lock, on_error=on_error)
+
+    def _forget(self, command: pb.Forget) -> None:
+        for array_id in command.ids:
+            record = self.arrays.get(array_id)
+            if record is None:
+                continue
+            if command.delete:
+                record.delete()
+            else:
+                del self.arrays[array_id]
+
+    def _forget_program(self, command: pb.ForgetProgram) -> None:
+        self.programs.forget(command.program)
+
+    def _send(self, command: pb.Send) -> None:
+        source = self._record(command.source)
+        start, stop = tuple(command.start), tuple(command.stop)
+
+        def read():
+            host = self.runtime.to_host(source.value)
+            if start:
+                host = host[tuple(slice(a, b) for a, b in zip(start, stop, strict=True))]
+            return np.ascontiguousarray(host)
+
+        def header(error: RequestError | None = None) -> pb.ArrayChunk:
+            chunk = pb.ArrayChunk(session=command.peer_session, id=command.id, meta=command.meta)
+            if error is not None:
+                chunk.error.code, chunk.error.message = error.code, error.message
+            return chunk
+
+        def push():
+            try:
+                host = read()
+            except Exception as error:  # noqa: BLE001 - the receiver's copy fails with it
+                self._push(command.peer_address, header(as_request_error(error)), lambda: None)
+                return
+            self._push(command.peer_address, header(), lambda: host)
+
+        def on_error(error: RequestError) -> None:
+            self._push(command.peer_address, header(error), lambda: None)
+
+        run_after([source], lambda: self._background(push, lambda _r, _e: None), self.lock, on_error=on_error)
+
+    def _expect(self, command: pb.Expect) -> None:
+        record = self.arrays.get(command.id)
+        if record is None:
+            self._new(command.id, command.meta)
+
+    def arrive(self, array_id: int, meta: pb.ArrayMeta, data: bytes | bytearray, error: pb.Status | None) -> None:
+        """An array pushed by another worker (possibly before its ``Expect``)."""
+        with self.lock:
+            record = self.arrays.get(array_id) or self._new(array_id, meta)
+            if record.ready:
+                return
+            if error is not None:
+                failure = RequestError(error.message)
+                failure.code = error.code
+                record.fail(failure)
+                return
+            try:
+                record.set(self.runtime.put(host_array(data, meta), sharding_from_proto(meta.sharding)))
+            except RequestError as failure:
+                record.fail(failure)
+
+    def _program_query(self, command: pb.ProgramQuery) -> None:
+        program = self.programs.get(command.program)
+
+        def query():
+            if command.text:
+                return pb.Reply(request=command.request, text=self.runtime.program_text(program))
+            return pb.Reply(request=command.request, costs=pb.CostAnalysis(values=self.runtime.cost_analysis(program)))
+
+        def done(reply, error):
+            if error is not None:
+                reply = pb.Reply(request=command.request, error=pb.Status(code=error.code, message=error.message))
+            self._reply(reply)
+
+        self._background(query, done)
+
+    # -- ending ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            arrays, self.arrays = self.arrays, {}
+            self._uploads.clear()
+        for record in arrays.values():
+            if record.value is not None and not record.value.is_deleted():
+                record.value.delete()
