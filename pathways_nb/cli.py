@@ -10,6 +10,7 @@ import argparse
 import logging
 import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 
@@ -19,20 +20,95 @@ from pathways_nb import __version__
 def _serve_proxy(args: argparse.Namespace) -> int:
     from pathways_nb.proxy.context import ProxyLimits
     from pathways_nb.proxy.server import ProxyServer
+
+    started = time.monotonic()
+    if args.resource_manager_address:
+        from pathways_nb.proxy.cluster_runtime import ClusterRuntime
+
+        runtime = ClusterRuntime(args.resource_manager_address, allocation_timeout_s=args.allocation_timeout)
+        serving = f"the cluster of {args.resource_manager_address}"
+    else:
+        from pathways_nb.worker.runtime import LocalRuntime
+
+        runtime = LocalRuntime(args.platform, args.devices)
+        serving = f"{len(runtime.devices)} {runtime.platform} device(s)"
+    limits = ProxyLimits(host_buffer_timeout_s=args.host_buffer_timeout)
+    server = ProxyServer(runtime, port=args.server_port, host=args.host, limits=limits)
+    return _serve(server, f"pathways-nb proxy serving {server.address} with {serving}", started, args.port_file)
+
+
+def _serve_resource_manager(args: argparse.Namespace) -> int:
+    from pathways_nb.rm.server import ResourceManagerServer
+    from pathways_nb.rm.topology import Topology
+
+    started = time.monotonic()
+    topology = Topology.parse(args.instance_count, args.instance_type) if args.instance_type else None
+    server = ResourceManagerServer(
+        topology, port=args.server_port, host=args.host, worker_timeout_s=args.worker_timeout
+    )
+    shape = f"{topology.islands} island(s) of {topology.instance_type}" if topology else "any workers"
+    return _serve(server, f"pathways-nb resource manager at {server.address} for {shape}", started, args.port_file)
+
+
+def _serve_worker(args: argparse.Namespace) -> int:
     from pathways_nb.worker.runtime import LocalRuntime
+    from pathways_nb.worker.server import WorkerServer
 
     started = time.monotonic()
     runtime = LocalRuntime(args.platform, args.devices)
-    limits = ProxyLimits(host_buffer_timeout_s=args.host_buffer_timeout)
-    server = ProxyServer(runtime, port=args.server_port, host=args.host, limits=limits)
-    _stop_on_signals(server.stop)
+    server = WorkerServer(
+        runtime,
+        args.resource_manager_address,
+        island=args.island,
+        host_index=args.host_index,
+        port=args.server_port,
+        host=args.host,
+        advertise_host=args.advertise_host,
+    )
+    message = (
+        f"pathways-nb worker {server.registration.worker_id} at {server.address} with "
+        f"{len(runtime.devices)} {runtime.platform} device(s) {list(server.registration.device_ids)}"
+    )
+    return _serve(server, message, started, args.port_file)
+
+
+def _up(args: argparse.Namespace) -> int:
+    from pathways_nb.cluster import LocalCluster
+
+    cluster = LocalCluster(
+        islands=args.islands,
+        hosts_per_island=args.hosts_per_island,
+        devices_per_host=args.devices_per_host,
+        port=args.port,
+        platform=args.platform,
+    )
+    stopped = threading.Event()
+    _stop_on_signals(lambda: stopped.set())
+    spec = cluster.spec
     print(
-        f"pathways-nb proxy serving {server.address} with {len(runtime.devices)} {runtime.platform} "
-        f"device(s) (started in {time.monotonic() - started:.1f} s)",
+        f"pathways-nb cluster serving {cluster.address}: {spec.islands} island(s) x {spec.hosts_per_island} "
+        f"host(s) x {spec.devices_per_host} {spec.platform} device(s), started in {cluster.startup_s:.1f} s\n"
+        f"  connect with: pathways_nb.connect({cluster.address!r})\n"
+        f"  or: JAX_PLATFORMS=proxy JAX_BACKEND_TARGET={cluster.address} python ...\n"
+        "  Ctrl-C stops it.",
         flush=True,
     )
-    if args.port_file:
-        with open(args.port_file, "w") as f:
+    try:
+        stopped.wait()
+    finally:
+        cluster.close()
+    return 0
+
+
+def _serve(server, message: str, started: float, port_file: str | None) -> int:
+    """Announces a started server, stops it on SIGINT/SIGTERM (or when its launcher dies), and waits."""
+    from pathways_nb.processes import exit_with_parent
+
+    _stop_on_signals(server.stop)
+    exit_with_parent(server.stop)
+    print(f"{message} (started in {time.monotonic() - started:.1f} s)", flush=True)
+    if port_file:
+        with open(port_file, "w") as f:
             f.write(str(server.port))
     server.wait()
     return 0
@@ -68,14 +144,67 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a request waits for its upload before failing",
     )
     proxy.add_argument("--port_file", default=None, help="write the bound port to this file once serving")
+    proxy.add_argument(
+        "--resource_manager_address",
+        default=None,
+        help="serve a cluster's devices (HOST:PORT of its resource manager) instead of this machine's",
+    )
+    proxy.add_argument(
+        "--allocation_timeout",
+        type=float,
+        default=60.0,
+        help="seconds a new session waits for devices before its connection fails",
+    )
     proxy.set_defaults(run=_serve_proxy)
+
+    rm = commands.add_parser(
+        "resource-manager", parents=[common], help="run a cluster's resource manager (islands, allocations, health)"
+    )
+    rm.add_argument("--server_port", type=int, default=29001, help="port to listen on; 0 picks a free one")
+    rm.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    rm.add_argument("--node_type", default="resource_manager", choices=["resource_manager"], help=argparse.SUPPRESS)
+    rm.add_argument("--instance_count", type=int, default=1, help="number of islands (slices)")
+    rm.add_argument(
+        "--instance_type",
+        default=None,
+        help="island shape PLATFORM:HOSTSxDEVICES, e.g. cpu:1x4; unset: accept any workers",
+    )
+    rm.add_argument(
+        "--worker_timeout", type=float, default=3.0, help="seconds without heartbeat before a worker is dead"
+    )
+    rm.add_argument("--port_file", default=None, help="write the bound port to this file once serving")
+    rm.set_defaults(run=_serve_resource_manager)
+
+    worker = commands.add_parser("worker", parents=[common], help="serve this host's devices to a cluster")
+    worker.add_argument("--resource_manager_address", required=True, help="HOST:PORT of the resource manager")
+    worker.add_argument("--server_port", type=int, default=29005, help="port to listen on; 0 picks a free one")
+    worker.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    worker.add_argument("--advertise_host", default=None, help="address others reach this worker at (default --host)")
+    worker.add_argument("--island", type=int, default=0, help="the island (slice) this host belongs to")
+    worker.add_argument("--host_index", type=int, default=0, help="this host's index within its island")
+    worker.add_argument("--devices", type=int, default=None, help="number of CPU devices to create (CPU only)")
+    worker.add_argument("--platform", default="cpu", help="local platform: cpu, cuda, rocm, tpu, or auto")
+    worker.add_argument("--port_file", default=None, help="write the bound port to this file once serving")
+    worker.set_defaults(run=_serve_worker)
+
+    up = commands.add_parser("up", parents=[common], help="start a whole cluster on this machine (Ctrl-C stops it)")
+    up.add_argument("--islands", type=int, default=2, help="number of islands")
+    up.add_argument("--hosts-per-island", dest="hosts_per_island", type=int, default=1, help="hosts per island")
+    up.add_argument("--devices-per-host", dest="devices_per_host", type=int, default=4, help="devices per host")
+    up.add_argument("--port", type=int, default=29000, help="the proxy's port; 0 picks a free one")
+    up.add_argument("--platform", default="cpu", help="the workers' platform")
+    up.set_defaults(run=_up)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return args.run(args)
+    try:
+        return args.run(args)
+    except (ValueError, OSError) as e:
+        parser.exit(2, f"pathways-nb {args.command}: {e}\n")
 
 
 if __name__ == "__main__":

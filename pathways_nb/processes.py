@@ -14,10 +14,31 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 
 from pathways_nb.errors import PathwaysError
+
+# Set for every child: the pid of the process that launched it. A child whose
+# parent is gone (killed without a chance to stop it) stops itself.
+PARENT_ENV = "PATHWAYS_PARENT_PID"
+
+
+def exit_with_parent(stop, interval_s: float = 1.0) -> None:
+    """In a child server: calls ``stop()`` once the launching process has died."""
+    parent = os.environ.get(PARENT_ENV)
+    if not parent:
+        return
+
+    def watch() -> None:
+        while True:
+            time.sleep(interval_s)
+            if os.getppid() != int(parent):
+                stop()
+                return
+
+    threading.Thread(target=watch, name="pathways-parent-watch", daemon=True).start()
 
 
 class Status(enum.Enum):
@@ -59,16 +80,30 @@ class ChildServer:
         """``grpc://127.0.0.1:PORT``."""
         return f"grpc://127.0.0.1:{self.port}"
 
+    @property
+    def hostport(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
     def start(self, timeout_s: float = 60.0) -> None:
         """Starts the child and waits until it listens; raises ``ServerStartError`` otherwise."""
+        self.launch()
+        self.wait_started(timeout_s)
+
+    def launch(self) -> None:
+        """Starts the child without waiting (start several, then ``wait_started`` each)."""
         self.status = Status.starting
-        port_file = os.path.join(self._directory.name, "port")
-        command = [sys.executable, "-m", "pathways_nb.cli", *self.arguments, "--port_file", port_file]
+        self._port_file = os.path.join(self._directory.name, "port")
+        command = [sys.executable, "-m", "pathways_nb.cli", *self.arguments, "--port_file", self._port_file]
+        env = dict(self.env if self.env is not None else os.environ)
+        env[PARENT_ENV] = str(os.getpid())
         with open(self.log_path, "w") as log:
-            # A new session: Ctrl-C in a notebook or terminal reaches us, and we stop the children.
+            # A new process session: Ctrl-C in a terminal reaches only us, and we stop the children.
             self.process = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+                command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
+
+    def wait_started(self, timeout_s: float = 60.0) -> None:
+        port_file = self._port_file
         deadline = time.monotonic() + timeout_s
         while True:
             if os.path.exists(port_file):

@@ -53,9 +53,9 @@ class DeviceDescription:
     attributes: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ProgramInfo:
-    """What the proxy reports about a compiled program."""
+    """What the proxy reports about a compiled program (compared by identity)."""
 
     device_ids: tuple[int, ...]
     signature: Signature
@@ -120,6 +120,10 @@ class Runtime(Protocol):
 
     def open_session(self, session_id: int, attributes: dict[str, Any]) -> DeviceSession:
         """The devices of a new session (may wait for capacity; raises ``RequestError``)."""
+        ...
+
+    def close(self) -> None:
+        """Lets go of everything (the server is stopping)."""
         ...
 
 

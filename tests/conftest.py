@@ -1,11 +1,16 @@
-"""Shared fixtures: one proxy server subprocess for the whole run, and this process connected to it.
+"""Shared fixtures: a single-process proxy and a 2-island LocalCluster, each started once per run.
 
-After ``connected`` this process has two JAX backends: ``proxy`` (the
-server's devices, through the stock IFRT proxy client) and ``cpu`` (local),
-each with 4 devices, so a test can run the same program on both and compare.
+Tests that take ``remote``/``local``/``both`` run against both backends: this
+process connects to one, then the other, with two JAX backends at a time:
+``proxy`` (the server's devices through the stock IFRT proxy client) and
+``cpu`` (local), both with 4 devices, so each program runs on both and the
+results are compared. On the cluster the 4 devices are island 1's (global ids
+4-7, local ids 0-3 on their worker), so id translation is exercised too.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import jax
 import numpy as np
@@ -13,6 +18,7 @@ import pytest
 
 import pathways_nb
 from pathways_nb import testing
+from pathways_nb.cluster import LocalCluster
 
 jax.config.update("jax_num_cpu_devices", 4)
 
@@ -24,16 +30,36 @@ def proxy_server():
 
 
 @pytest.fixture(scope="session")
-def connected(proxy_server):
-    connection = pathways_nb.connect(proxy_server.address, timeout_s=30)
+def cluster():
+    with LocalCluster(islands=2, devices_per_host=4) as cluster:
+        yield cluster
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    address: str
+    device_slice: slice
+
+
+@pytest.fixture(scope="session", params=["single-process", "cluster"])
+def backend(request) -> Backend:
+    if request.param == "single-process":
+        return Backend(request.param, request.getfixturevalue("proxy_server").address, slice(0, 4))
+    return Backend(request.param, request.getfixturevalue("cluster").address, slice(4, 8))
+
+
+@pytest.fixture(scope="session")
+def connected(backend):
+    connection = pathways_nb.connect(backend.address, timeout_s=30)
     yield connection
     pathways_nb.disconnect()
 
 
 @pytest.fixture(scope="session")
-def remote(connected):
-    """The server's devices, as this process's ``proxy`` backend shows them."""
-    return jax.devices("proxy")
+def remote(connected, backend):
+    """4 of the server's devices, as this process's ``proxy`` backend shows them."""
+    return jax.devices("proxy")[backend.device_slice]
 
 
 @pytest.fixture(scope="session")

@@ -15,14 +15,21 @@ X = np.arange(64, dtype=np.float32).reshape(8, 8) / 7
 DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16, np.int8, np.int32, np.uint8, np.bool_, np.complex64]
 
 
-def test_devices_look_like_local_ones(remote, local):
+def test_devices_look_like_local_ones(remote, local, backend):
     assert len(remote) == len(local) == 4
-    assert [d.id for d in remote] == [d.id for d in local]
-    assert [str(d) for d in remote] == [str(d) for d in local]
-    assert [repr(d) for d in remote] == [repr(d) for d in local]
     assert {d.platform for d in remote} == {"cpu"}
     assert remote[0].device_kind == local[0].device_kind
-    assert remote[0].slice_index == 0
+    if backend.name == "single-process":
+        assert [d.id for d in remote] == [d.id for d in local]
+        assert [str(d) for d in remote] == [str(d) for d in local]
+        assert [repr(d) for d in remote] == [repr(d) for d in local]
+        assert remote[0].slice_index == 0
+    else:
+        assert [d.id for d in remote] == [4, 5, 6, 7]
+        assert [str(d) for d in remote] == ["cpu:4", "cpu:5", "cpu:6", "cpu:7"]
+        assert repr(remote[0]) == "CpuDevice(id=4, slice_index=1)"
+        assert {d.slice_index for d in remote} == {1}
+        assert [d.coords for d in remote] == [[0, i] for i in range(4)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)

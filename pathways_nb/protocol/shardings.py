@@ -52,6 +52,21 @@ class IfrtSharding:
         partitions = self._partitions(len(shape))
         return tuple(-(-dim // parts) for dim, parts in zip(shape, partitions, strict=True))
 
+    def shard_indices(self, shape: tuple[int, ...]) -> tuple[tuple[slice, ...], ...]:
+        """The region of an array of ``shape`` each device holds, in the order of ``device_ids``."""
+        if self.op_sharding is None:
+            return tuple((slice(None),) * len(shape) for _ in self.device_ids)
+        from jax._src import op_shardings
+        from jax._src.lib import xla_client as xc
+
+        self._partitions(len(shape))
+        op = xc.OpSharding()
+        op.ParseFromString(self.op_sharding)
+        try:
+            return op_shardings.op_sharding_to_indices(xc.HloSharding.from_proto(op), shape, len(self.device_ids))
+        except AssertionError as e:
+            raise InvalidRequest(f"shape {list(shape)} cannot be split evenly by this sharding") from e
+
     def _partitions(self, rank: int) -> list[int]:
         from jax._src import op_shardings
         from jax._src.lib import xla_client as xc

@@ -72,6 +72,7 @@ class ProxyContext:
         self.compile_cache = CompileCache(self.limits.compile_cache_entries)
 
     def close(self) -> None:
+        self.runtime.close()
         self.compile_pool.shutdown(wait=False, cancel_futures=True)
         self.wait_pool.shutdown(wait=False, cancel_futures=True)
         self.deadlines.close()

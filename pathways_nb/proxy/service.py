@@ -35,6 +35,7 @@ CHUNK_BYTES = 1 << 20
 
 _GRPC_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
+
 class _Outbox:
     """A session's replies, queued from any thread, written by the stream's generator."""
 

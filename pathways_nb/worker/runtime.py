@@ -46,7 +46,7 @@ def configure_jax(platform: str | None, num_devices: int | None) -> None:
         jax.config.update("jax_num_cpu_devices", num_devices)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Program(ProgramInfo):
     """A program compiled on this process's devices."""
 
@@ -77,6 +77,9 @@ class LocalRuntime:
 
     def release(self) -> None:
         """Nothing to give back: the session's arrays are deleted by the proxy."""
+
+    def close(self) -> None:
+        """Nothing to close: the devices go with the process."""
 
     # -- devices ---------------------------------------------------------------------------
 

@@ -43,7 +43,9 @@ class WorkerServer:
         self.service = WorkerService(runtime)
         self._server = BackgroundServer(
             lambda server: cluster_pb2_grpc.add_WorkerServicer_to_server(self.service, server),
-            [SERVICE_NAME], port, host,
+            [SERVICE_NAME],
+            port,
+            host,
         )
         self.port = self._server.port
         self.advertised = f"{advertise_host or host}:{self.port}"

@@ -79,9 +79,7 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
         self._peers: dict[str, cluster_pb2_grpc.WorkerStub] = {}
         self._peers_lock = threading.Lock()
 
-    def background(
-        self, work: Callable[[], object], done: Callable[[object, RequestError | None], None]
-    ) -> None:
+    def background(self, work: Callable[[], object], done: Callable[[object, RequestError | None], None]) -> None:
         def run() -> None:
             try:
                 result, error = work(), None

@@ -85,6 +85,8 @@ class WorkerSession:
     def handle(self, command: pb.Command) -> None:
         kind = command.WhichOneof("command")
         body = getattr(command, kind) if kind else None
+        if _LOGGER.isEnabledFor(logging.DEBUG):
+            _LOGGER.debug("session %s: %s", self.key, str(command).replace("\n", " ")[:300])
         with self.lock:
             try:
                 if kind is None:
@@ -209,7 +211,15 @@ class WorkerSession:
                 continue
             if command.delete:
                 record.delete()
+            elif record.ready:
+                del self.arrays[array_id]
             else:
+                # Still arriving: keep it findable until then (work chained onto it needs its value).
+                record.pending.on_done(lambda _value, _error, i=array_id, r=record: self._drop(i, r))
+
+    def _drop(self, array_id: int, record: ArrayRecord) -> None:
+        with self.lock:
+            if self.arrays.get(array_id) is record:
                 del self.arrays[array_id]
 
     def _forget_program(self, command: pb.ForgetProgram) -> None:
@@ -242,7 +252,11 @@ class WorkerSession:
         def on_error(error: RequestError) -> None:
             self._push(command.peer_address, header(error), lambda: None)
 
-        run_after([source], lambda: self._background(push, lambda _r, _e: None), self.lock, on_error=on_error)
+        def pushed(_result, error: RequestError | None) -> None:
+            if error is not None:
+                _LOGGER.warning("session %s: sending array %d failed: %s", self.key, command.source, error.message)
+
+        run_after([source], lambda: self._background(push, pushed), self.lock, on_error=on_error)
 
     def _expect(self, command: pb.Expect) -> None:
         record = self.arrays.get(command.id)
@@ -279,6 +293,10 @@ class WorkerSession:
             self._reply(reply)
 
         self._background(query, done)
+
+    def _layout_query(self, command: pb.LayoutQuery) -> None:
+        layout = self.runtime.default_layout(dtypes.to_numpy(command.dtype_kind), command.dims, command.device_id)
+        self._reply(pb.Reply(request=command.request, layout=layout))
 
     # -- ending ----------------------------------------------------------------------------
 

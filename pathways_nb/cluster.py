@@ -1,0 +1,220 @@
+"""A whole Pathways cluster on this machine: resource manager, workers and proxy, as child processes.
+
+``LocalCluster(islands=2, devices_per_host=4)`` starts them on 127.0.0.1 and
+gives the address to connect to; leaving the ``with`` block, ``close()``,
+interpreter exit or the death of this process stops them all (each child
+watches its parent), so no process is left behind.
+"""
+
+from __future__ import annotations
+
+import atexit
+import time
+import weakref
+from dataclasses import dataclass
+
+import grpc
+
+from pathways_nb.processes import ChildServer, Status
+from pathways_nb.rpc import cluster_pb2 as pb
+from pathways_nb.rpc import cluster_pb2_grpc
+
+_LIVE: weakref.WeakSet[LocalCluster] = weakref.WeakSet()
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    islands: int = 2
+    hosts_per_island: int = 1
+    devices_per_host: int = 4
+    platform: str = "cpu"
+
+    def check(self) -> None:
+        if min(self.islands, self.hosts_per_island, self.devices_per_host) < 1:
+            raise ValueError(f"islands, hosts_per_island and devices_per_host must be >= 1, got {self}")
+        if self.hosts_per_island > 1:
+            raise ValueError(
+                f"hosts_per_island={self.hosts_per_island}: islands of several hosts are not supported yet; "
+                "use hosts_per_island=1 (and more islands or devices_per_host)"
+            )
+
+    @property
+    def devices(self) -> int:
+        return self.islands * self.hosts_per_island * self.devices_per_host
+
+
+class LocalCluster:
+    """A cluster of child processes on 127.0.0.1.
+
+    >>> with LocalCluster(islands=2, devices_per_host=4) as cluster:   # doctest: +SKIP
+    ...     pathways_nb.connect(cluster.address)
+    """
+
+    def __init__(
+        self,
+        islands: int = 2,
+        hosts_per_island: int = 1,
+        devices_per_host: int = 4,
+        port: int = 0,
+        platform: str = "cpu",
+        start: bool = True,
+    ):
+        self.spec = ClusterSpec(islands, hosts_per_island, devices_per_host, platform)
+        self.spec.check()
+        self.port = port
+        self.status = Status.created
+        self.startup_s: float | None = None
+        self.resource_manager: ChildServer | None = None
+        self.workers: dict[tuple[int, int], ChildServer] = {}
+        self.proxy: ChildServer | None = None
+        if start:
+            self.start()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self, timeout_s: float = 120.0) -> LocalCluster:
+        """Starts the resource manager, then the workers (in parallel), then the proxy."""
+        if self.status is Status.running:
+            return self
+        started = time.monotonic()
+        self.status = Status.starting
+        _LIVE.add(self)
+        spec = self.spec
+        try:
+            self.resource_manager = ChildServer(
+                "resource-manager",
+                [
+                    "resource-manager",
+                    "--server_port",
+                    "0",
+                    "--instance_count",
+                    str(spec.islands),
+                    "--instance_type",
+                    f"{spec.platform}:{spec.hosts_per_island}x{spec.devices_per_host}",
+                ],
+            )
+            self.resource_manager.start(timeout_s)
+            for island in range(spec.islands):
+                for host in range(spec.hosts_per_island):
+                    self.workers[(island, host)] = self._worker(island, host)
+            for worker in self.workers.values():
+                worker.launch()
+            for worker in self.workers.values():
+                worker.wait_started(timeout_s)
+            self.proxy = ChildServer(
+                "proxy",
+                [
+                    "proxy",
+                    "--server_port",
+                    str(self.port),
+                    "--resource_manager_address",
+                    self.resource_manager.hostport,
+                ],
+            )
+            self.proxy.start(timeout_s)
+            self._wait_for_workers(timeout_s)
+        except BaseException:
+            self.status = Status.failed
+            self.close()
+            raise
+        self.startup_s = time.monotonic() - started
+        self.status = Status.running
+        return self
+
+    def _worker(self, island: int, host: int) -> ChildServer:
+        assert self.resource_manager is not None
+        return ChildServer(
+            f"worker-{island}-{host}",
+            [
+                "worker",
+                "--resource_manager_address",
+                self.resource_manager.hostport,
+                "--server_port",
+                "0",
+                "--island",
+                str(island),
+                "--host_index",
+                str(host),
+                "--devices",
+                str(self.spec.devices_per_host),
+                "--platform",
+                self.spec.platform,
+            ],
+        )
+
+    def _wait_for_workers(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            state = self.state()
+            if sum(w.healthy for w in state.workers) == len(self.workers):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {len(state.workers)} of {len(self.workers)} workers registered")
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        """Stops the proxy, the workers and the resource manager; idempotent."""
+        if self.status is Status.closed:
+            return
+        self.status = Status.closing
+        for child in [self.proxy, *self.workers.values(), self.resource_manager]:
+            if child is not None:
+                child.close()
+        self.status = Status.closed
+        _LIVE.discard(self)
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    # -- what it is ------------------------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        """The proxy's ``grpc://host:port``: what ``pathways_nb.connect`` takes."""
+        if self.proxy is None or self.proxy.port is None:
+            raise RuntimeError("the cluster is not running; call start()")
+        return self.proxy.address
+
+    @property
+    def resource_manager_address(self) -> str:
+        assert self.resource_manager is not None
+        return self.resource_manager.hostport
+
+    def state(self) -> pb.ClusterState:
+        """The resource manager's view: workers, devices, health, allocations."""
+        with grpc.insecure_channel(self.resource_manager_address) as channel:
+            stub = cluster_pb2_grpc.ResourceManagerStub(channel)
+            return stub.GetClusterState(pb.ClusterStateRequest(), timeout=10)
+
+    def kill_worker(self, island: int, host: int = 0) -> None:
+        """Kills a worker process (SIGKILL), as a crash would."""
+        worker = self.workers[(island, host)]
+        if worker.process is not None:
+            worker.process.kill()
+            worker.process.wait()
+
+    def restart_worker(self, island: int, host: int = 0, timeout_s: float = 60.0) -> None:
+        """Starts a fresh worker for an island whose worker died; it rejoins the cluster."""
+        self.workers[(island, host)].close()
+        self.workers[(island, host)] = worker = self._worker(island, host)
+        worker.start(timeout_s)
+
+    def processes(self) -> list[ChildServer]:
+        return [c for c in [self.resource_manager, *self.workers.values(), self.proxy] if c is not None]
+
+    def __repr__(self) -> str:
+        where = f" at {self.address}" if self.status is Status.running else ""
+        spec = self.spec
+        return (
+            f"<LocalCluster {self.status.value}{where}: {spec.islands} island(s) x {spec.hosts_per_island} host(s) "
+            f"x {spec.devices_per_host} {spec.platform} device(s)>"
+        )
+
+
+@atexit.register
+def _close_all() -> None:
+    for cluster in list(_LIVE):
+        cluster.close()

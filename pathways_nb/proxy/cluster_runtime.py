@@ -1,0 +1,591 @@
+"""The devices of a cluster, as a proxy serves them: leases from the resource manager, work on workers.
+
+Each client session holds an allocation (a lease that lasts as long as its
+``Allocate`` call) and opens a command stream to each worker it uses. Device
+ids are the cluster's global ids; a worker only ever sees its own local ids.
+
+Where data moves:
+
+- host <-> device: through the proxy, which is where the client's bytes are;
+- device -> device on one worker: a copy on that worker;
+- device -> device across workers (islands): the source worker sends straight
+  to the destination worker; the proxy only tells both what to do.
+
+A program runs on one island (H=1: one worker); one that spans islands is
+refused with an explanation of how to pipeline across them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import threading
+import uuid
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+
+from pathways_nb.protocol import dtypes, schema
+from pathways_nb.protocol.errors import (
+    DeadlineExceeded,
+    InvalidRequest,
+    NotFound,
+    RequestError,
+    Unavailable,
+)
+from pathways_nb.protocol.shardings import IfrtSharding
+from pathways_nb.proxy.remote_arrays import RemoteArray, ShardedRemoteArray
+from pathways_nb.proxy.worker_link import WorkerLink, WorkerLost
+from pathways_nb.rpc import cluster_pb2 as pb
+from pathways_nb.rpc import cluster_pb2_grpc
+from pathways_nb.rpc.convert import array_meta, program_from_proto
+from pathways_nb.runtime_api import DeviceDescription, ProgramInfo
+
+_LOGGER = logging.getLogger(__name__)
+
+# Upload chunk size on worker streams.
+PUT_CHUNK_BYTES = 4 << 20
+
+# Keys of ClientConnectionOptions.initialization_data that shape a session's allocation.
+TENANT, EXCLUSIVE, DEVICES, ISLANDS, TIMEOUT = (
+    "pathways_tenant",
+    "pathways_exclusive",
+    "pathways_devices",
+    "pathways_islands",
+    "pathways_allocation_timeout_s",
+)
+
+_DEVICE_CLASS = {"cpu": "CpuDevice", "cuda": "CudaDevice", "rocm": "RocmDevice", "tpu": "TpuDevice"}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RemoteProgram(ProgramInfo):
+    """A program compiled on one worker; kept to compile again if that worker restarts."""
+
+    worker_id: str = ""
+    stablehlo: bytes = b""
+    compile_options: bytes = b""  # with the worker's local device ids
+    local_device_ids: tuple[int, ...] = ()
+
+
+class ClusterRuntime:
+    """A cluster reached through its resource manager at ``rm_address``."""
+
+    def __init__(self, rm_address: str, allocation_timeout_s: float = 60.0):
+        self.rm_address = rm_address
+        self.allocation_timeout_s = allocation_timeout_s
+        self.key = f"proxy-{uuid.uuid4().hex[:8]}"
+        self._channel = grpc.insecure_channel(rm_address)
+        self._rm = cluster_pb2_grpc.ResourceManagerStub(self._channel)
+        self._lock = threading.Lock()
+        self._program_ids = itertools.count(1)
+        # Per program (by identity): worker incarnation -> program id on that worker.
+        self._compiled: weakref.WeakKeyDictionary[RemoteProgram, dict[int, int]] = weakref.WeakKeyDictionary()
+        self._control: dict[str, WorkerLink] = {}
+        self._layouts: dict[tuple, bytes] = {}
+        self._sessions: weakref.WeakSet[ClusterSession] = weakref.WeakSet()
+        self._workers: dict[str, pb.WorkerState] = {}
+        self._watching = threading.Event()
+        self._closed = False
+        self._watcher = threading.Thread(target=self._watch, name="pathways-cluster-watch", daemon=True)
+        self._watcher.start()
+
+    # -- cluster state ---------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        """Follows the resource manager's view of the workers, failing fast on dead ones."""
+        while not self._closed:
+            try:
+                for state in self._rm.WatchCluster(pb.ClusterStateRequest()):
+                    self._update(state)
+                    self._watching.set()
+            except grpc.RpcError as error:
+                if self._closed:
+                    return
+                _LOGGER.warning("lost the resource manager at %s (%s); retrying", self.rm_address, error.code().name)
+            if not self._closed:
+                threading.Event().wait(1.0)
+
+    def _update(self, state: pb.ClusterState) -> None:
+        with self._lock:
+            self._workers = {w.worker_id: w for w in state.workers}
+        for worker in state.workers:
+            if not worker.healthy:
+                for session in list(self._sessions):
+                    session.worker_down(worker)
+
+    def worker(self, worker_id: str) -> pb.WorkerState | None:
+        with self._lock:
+            return self._workers.get(worker_id)
+
+    def state(self) -> pb.ClusterState:
+        return self._rm.GetClusterState(pb.ClusterStateRequest(), timeout=10)
+
+    # -- sessions --------------------------------------------------------------------------
+
+    def open_session(self, session_id: int, attributes: dict[str, Any]) -> ClusterSession:
+        """Allocates devices for a session, waiting in the queue if the cluster is busy."""
+        request = _allocation_request(attributes, self.allocation_timeout_s, f"{self.key}-s{session_id}")
+        lease = self._rm.Allocate(request)
+        try:
+            for update in lease:
+                if update.HasField("granted"):
+                    session = ClusterSession(self, session_id, update.granted, lease)
+                    self._sessions.add(session)
+                    return session
+                _LOGGER.info("session %d: %s", session_id, update.waiting.reason)
+        except grpc.RpcError as error:
+            raise _rm_error(error, self.rm_address) from None
+        raise Unavailable(f"the resource manager at {self.rm_address} ended the allocation before granting it")
+
+    # -- programs --------------------------------------------------------------------------
+
+    def control_link(self, worker: pb.Device) -> WorkerLink:
+        """The proxy's own stream to a worker, for compiling and querying programs."""
+        with self._lock:
+            link = self._control.get(worker.worker_id)
+            if link is None or not link.alive or link.incarnation != worker.incarnation:
+                if link is not None:
+                    link.close()
+                link = WorkerLink(worker, f"{self.key}-control-{worker.incarnation}")
+                self._control[worker.worker_id] = link
+            return link
+
+    def program_id_on(self, program: RemoteProgram, worker: pb.Device) -> int:
+        """The id of ``program`` on the worker's current incarnation, compiling it there if needed."""
+        with self._lock:
+            known = self._compiled.setdefault(program, {})
+            program_id = known.get(worker.incarnation)
+        if program_id is None:
+            program_id = self._compile_on(worker, program.stablehlo, program.compile_options, program.local_device_ids)[
+                0
+            ]
+            with self._lock:
+                known[worker.incarnation] = program_id
+        return program_id
+
+    def _compile_on(
+        self, worker: pb.Device, stablehlo: bytes, options: bytes, local_ids: tuple[int, ...]
+    ) -> tuple[int, pb.CompiledProgram]:
+        program_id = next(self._program_ids)
+        command = pb.Command(
+            compile=pb.Compile(program=program_id, stablehlo=stablehlo, compile_options=options, device_ids=local_ids)
+        )
+        reply = self.control_link(worker).request(command, "compile").result()
+        return program_id, reply.compiled
+
+    def compile(self, worker: pb.Device, stablehlo: bytes, options: bytes, device_ids, local_ids) -> RemoteProgram:
+        program_id, compiled = self._compile_on(worker, stablehlo, options, local_ids)
+        info = program_from_proto(compiled, tuple(device_ids))
+        program = RemoteProgram(
+            **{f.name: getattr(info, f.name) for f in dataclasses.fields(ProgramInfo)},
+            worker_id=worker.worker_id,
+            stablehlo=stablehlo,
+            compile_options=options,
+            local_device_ids=tuple(local_ids),
+        )
+        with self._lock:
+            self._compiled[program] = {worker.incarnation: program_id}
+        return program
+
+    def query(self, worker: pb.Device, command: pb.Command, field: str) -> pb.Reply:
+        return self.control_link(worker).request(command, field).result()
+
+    def default_layout(self, worker: pb.Device, dtype_kind: int, dims: tuple[int, ...], local_id: int) -> bytes:
+        key = (worker.worker_id, dtype_kind, dims, local_id)
+        with self._lock:
+            if key in self._layouts:
+                return self._layouts[key]
+        command = pb.Command(layout_query=pb.LayoutQuery(dtype_kind=dtype_kind, dims=dims, device_id=local_id))
+        layout = self.query(worker, command, "layout_query").layout
+        with self._lock:
+            self._layouts[key] = layout
+        return layout
+
+    def close(self) -> None:
+        """Ends every session's leases and streams; anything waiting on a worker fails."""
+        self._closed = True
+        for session in list(self._sessions):
+            session.release()
+        for link in self._control.values():
+            link.close()
+        self._channel.close()
+
+
+def _allocation_request(
+    attributes: dict[str, Any], default_timeout_s: float, default_tenant: str
+) -> pb.AllocateRequest:
+    def text(key: str, default: str) -> str:
+        value = attributes.get(key, default)
+        return value.decode() if isinstance(value, bytes) else str(value)
+
+    islands = text(ISLANDS, "")
+    try:
+        return pb.AllocateRequest(
+            tenant=text(TENANT, default_tenant),
+            exclusive=bool(attributes.get(EXCLUSIVE, False)),
+            num_devices=int(attributes.get(DEVICES, 0)),
+            islands=[int(i) for i in islands.split(",") if i.strip()],
+            timeout_s=float(attributes.get(TIMEOUT, default_timeout_s)),
+        )
+    except ValueError as e:
+        raise InvalidRequest(f"malformed allocation options {attributes}: {e}") from e
+
+
+def _rm_error(error: grpc.RpcError, address: str) -> RequestError:
+    code = error.code()
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return Unavailable(f"the resource manager at {address} is unreachable: {error.details()}")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExceeded(error.details())
+    failure = RequestError(error.details() or code.name)
+    failure.code = code.value[0]
+    return failure
+
+
+class ClusterSession:
+    """One client session's devices in the cluster, and its streams to their workers."""
+
+    def __init__(self, cluster: ClusterRuntime, session_id: int, allocation: pb.Allocation, lease):
+        self.cluster = cluster
+        self.session_id = session_id
+        self.allocation = allocation
+        self._lease = lease
+        self._devices = {d.id: d for d in allocation.devices}
+        self._device_ids = tuple(d.id for d in allocation.devices)
+        self._links: dict[str, WorkerLink] = {}
+        self._lock = threading.Lock()
+        self._platform = allocation.platform or allocation.devices[0].platform
+
+    # -- devices ---------------------------------------------------------------------------
+
+    @property
+    def device_ids(self) -> tuple[int, ...]:
+        return self._device_ids
+
+    @property
+    def platform(self) -> str:
+        return self._platform
+
+    @property
+    def platform_version(self) -> str:
+        return self.allocation.platform_version or "pathways-nb cluster"
+
+    def describe_devices(self, device_ids: Sequence[int]) -> list[DeviceDescription]:
+        descriptions = []
+        for device_id in device_ids:
+            device = self._device(device_id)
+            device_class = _DEVICE_CLASS.get(device.platform, "Device")
+            descriptions.append(
+                DeviceDescription(
+                    id=device.id,
+                    platform=device.platform,
+                    kind=device.kind,
+                    debug_string=f"{device.platform}:{device.id}",
+                    to_string=f"{device_class}(id={device.id}, slice_index={device.island})",
+                    local_hardware_id=device.local_hardware_id,
+                    memory_kinds=tuple(device.memory_kinds),
+                    attributes={
+                        "slice_index": device.island,
+                        "host_index": device.host_index,
+                        "host": device.worker_address,
+                        "coords": [device.host_index, device.local_id],
+                    },
+                )
+            )
+        return descriptions
+
+    def _device(self, device_id: int) -> pb.Device:
+        try:
+            return self._devices[device_id]
+        except KeyError:
+            raise NotFound(
+                f"device {device_id} is not allocated to this session (devices {list(self._device_ids)})"
+            ) from None
+
+    def _current(self, device: pb.Device) -> pb.Device:
+        """The device's worker as the cluster knows it now (it may have restarted since the allocation)."""
+        worker = self.cluster.worker(device.worker_id)
+        if worker is None or worker.incarnation == device.incarnation:
+            return device
+        current = pb.Device()
+        current.CopyFrom(device)
+        current.incarnation = worker.incarnation
+        current.worker_address = worker.address
+        current.healthy = worker.healthy
+        return current
+
+    def _link(self, device: pb.Device) -> WorkerLink:
+        """This session's stream to the device's worker, opened (again) when needed."""
+        device = self._current(device)
+        with self._lock:
+            link = self._links.get(device.worker_id)
+            if link is not None and (link.alive or link.incarnation == device.incarnation):
+                if not link.alive:
+                    link.send(pb.Command())  # raises the WorkerLost error that ended it
+                return link
+            if not device.healthy:
+                raise WorkerLost(
+                    f"island {device.island} host {device.host_index} ({device.worker_address}) is down; "
+                    f"work on island {device.island} fails until its worker is back"
+                )
+            if link is not None:
+                link.close()
+            link = WorkerLink(device, f"{self.cluster.key}-s{self.session_id}-{device.incarnation}")
+            self._links[device.worker_id] = link
+            return link
+
+    def worker_down(self, worker: pb.WorkerState) -> None:
+        """The resource manager declared a worker dead: fail this session's stream to it now."""
+        with self._lock:
+            link = self._links.get(worker.worker_id)
+        if link is not None and link.alive and link.incarnation == worker.incarnation:
+            link._lost("it missed its heartbeats")
+
+    def _worker_ids(self, sharding: IfrtSharding) -> list[str]:
+        return sorted({self._device(d).worker_id for d in sharding.device_ids})
+
+    def _local(self, sharding: IfrtSharding) -> IfrtSharding:
+        """The sharding in its worker's local device ids."""
+        return IfrtSharding(
+            tuple(self._device(d).local_id for d in sharding.device_ids), sharding.memory_kind, sharding.op_sharding
+        )
+
+    def check_sharding(self, sharding: IfrtSharding) -> None:
+        if len(set(sharding.device_ids)) != len(sharding.device_ids):
+            raise InvalidRequest(f"a sharding lists a device twice: {list(sharding.device_ids)}")
+        for device_id in sharding.device_ids:
+            device = self._device(device_id)
+            if sharding.memory_kind and sharding.memory_kind not in device.memory_kinds:
+                raise InvalidRequest(
+                    f"memory kind {sharding.memory_kind!r} does not exist on device {device_id}; "
+                    f"use one of {list(device.memory_kinds)}"
+                )
+
+    def default_layout(self, dtype: np.dtype, dims: Sequence[int], device_id: int) -> bytes:
+        device = self._current(self._device(device_id))
+        return self.cluster.default_layout(device, dtypes.from_numpy(dtype), tuple(dims), device.local_id)
+
+    # -- arrays ----------------------------------------------------------------------------
+
+    def put(self, host: np.ndarray, sharding: IfrtSharding):
+        kind = dtypes.from_numpy(host.dtype)
+        shape = tuple(host.shape)
+        if len(self._worker_ids(sharding)) > 1:
+            parts = [
+                self.put(np.ascontiguousarray(host[index]), IfrtSharding((device_id,), sharding.memory_kind))
+                for device_id, index in zip(sharding.device_ids, sharding.shard_indices(shape), strict=True)
+            ]
+            return ShardedRemoteArray(parts, shape, sharding)
+        link = self._link(self._device(sharding.device_ids[0]))
+        array_id = link.new_id()
+        meta = array_meta(kind, shape, self._local(sharding))
+        data = memoryview(np.ascontiguousarray(host).reshape(-1).view(np.uint8))
+        for start in range(0, max(data.nbytes, 1), PUT_CHUNK_BYTES):
+            end = min(start + PUT_CHUNK_BYTES, data.nbytes)
+            put = pb.Put(id=array_id, meta=meta, data=data[start:end].tobytes(), more=end < data.nbytes)
+            link.send(pb.Command(put=put))
+        return RemoteArray(link, array_id, kind, shape, sharding)
+
+    def put_shards(self, shape: tuple[int, ...], sharding: IfrtSharding, shards: Sequence[np.ndarray]):
+        singles = [
+            self.put(shard, IfrtSharding((device_id,), sharding.memory_kind))
+            for shard, device_id in zip(shards, sharding.device_ids, strict=True)
+        ]
+        return self.assemble(shape, sharding, singles)
+
+    def assemble(self, shape: tuple[int, ...], sharding: IfrtSharding, singles: Sequence):
+        if len(singles) != len(sharding.device_ids):
+            raise InvalidRequest(
+                f"{len(singles)} single-device arrays given for a sharding over {len(sharding.device_ids)} devices"
+            )
+        for single, device_id in zip(singles, sharding.device_ids, strict=True):
+            if single.sharding.device_ids != (device_id,):
+                raise InvalidRequest(
+                    f"shard for device {device_id} lives on {list(single.sharding.device_ids)}; "
+                    "assemble shards in the order of the sharding's devices"
+                )
+        links = {id(single.link) for single in singles}
+        if len(links) > 1:
+            return ShardedRemoteArray(singles, shape, sharding)
+        link = singles[0].link
+        array_id = link.new_id()
+        meta = array_meta(singles[0].kind, shape, self._local(sharding))
+        link.send(pb.Command(assemble=pb.Assemble(id=array_id, meta=meta, parts=[s.array_id for s in singles])))
+        return RemoteArray(link, array_id, singles[0].kind, shape, sharding)
+
+    def disassemble(self, value, sharding: IfrtSharding) -> list:
+        if isinstance(value, ShardedRemoteArray):
+            return list(value.parts)
+        shard_shape = sharding.shard_shape(value.shape)
+        ids = [value.link.new_id() for _ in sharding.device_ids]
+        value.link.send(
+            pb.Command(
+                disassemble=pb.Disassemble(
+                    source=value.array_id, ids=ids, sharding=array_meta(0, (), self._local(sharding)).sharding
+                )
+            )
+        )
+        return [
+            RemoteArray(value.link, array_id, value.kind, shard_shape, IfrtSharding((device_id,), sharding.memory_kind))
+            for array_id, device_id in zip(ids, sharding.device_ids, strict=True)
+        ]
+
+    def copy(self, value, sharding: IfrtSharding):
+        """The value laid out by ``sharding``: on one worker, by sending between workers, or via the proxy."""
+        targets = self._worker_ids(sharding)
+        if isinstance(value, RemoteArray) and targets == [value.link.worker_id] and value.link.alive:
+            array_id = value.link.new_id()
+            local = array_meta(0, (), self._local(sharding)).sharding
+            value.link.send(pb.Command(copy=pb.Copy(source=value.array_id, id=array_id, sharding=local)))
+            return RemoteArray(value.link, array_id, value.kind, value.shape, sharding)
+        if isinstance(value, RemoteArray) and len(targets) == 1:
+            return self._send(value, self._link(self._device(sharding.device_ids[0])), value.shape, sharding, None)
+        return self._copy_by_shards(value, sharding)
+
+    def _send(self, value: RemoteArray, target: WorkerLink, shape, sharding: IfrtSharding, region) -> RemoteArray:
+        """Has ``value``'s worker send it (or ``region`` of it) straight to ``target``'s worker."""
+        array_id = target.new_id()
+        meta = array_meta(value.kind, shape, self._local(sharding))
+        target.send(pb.Command(expect=pb.Expect(id=array_id, meta=meta)))
+        send = pb.Send(
+            source=value.array_id, peer_address=target.address, peer_session=target.session_key, id=array_id, meta=meta
+        )
+        if region is not None:
+            send.start.extend(s.start for s in region)
+            send.stop.extend(s.stop for s in region)
+        value.link.send(pb.Command(send=send))
+        return RemoteArray(target, array_id, value.kind, shape, sharding)
+
+    def _copy_by_shards(self, value, sharding: IfrtSharding):
+        """Each target shard sent from the source shard that holds it; through the proxy if none does."""
+        shape = value.shape
+        sources = value.parts if isinstance(value, ShardedRemoteArray) else [value]
+        source_regions = (
+            [_region(index, shape) for index in value.sharding.shard_indices(shape)]
+            if isinstance(value, ShardedRemoteArray)
+            else [tuple(slice(0, d) for d in shape)]
+        )
+        parts = []
+        for device_id, index in zip(sharding.device_ids, sharding.shard_indices(shape), strict=True):
+            wanted = _region(index, shape)
+            holder = next(
+                (i for i, region in enumerate(source_regions) if _contains(region, wanted)),
+                None,
+            )
+            if holder is None:
+                return self.put(self.to_host(value), sharding)
+            relative = tuple(
+                slice(w.start - r.start, w.stop - r.start) for w, r in zip(wanted, source_regions[holder], strict=True)
+            )
+            part_shape = tuple(s.stop - s.start for s in wanted)
+            target = self._link(self._device(device_id))
+            parts.append(
+                self._send(
+                    sources[holder], target, part_shape, IfrtSharding((device_id,), sharding.memory_kind), relative
+                )
+            )
+        return self.assemble(shape, sharding, parts)
+
+    def to_host(self, value) -> np.ndarray:
+        if isinstance(value, ShardedRemoteArray):
+            dtype = dtypes.to_numpy(value.parts[0].kind)
+            host = np.empty(value.shape, dtype)
+            for part, index in zip(value.parts, value.sharding.shard_indices(value.shape), strict=True):
+                host[index] = self.to_host(part)
+            return host
+        data = value.link.request(pb.Command(fetch=pb.Fetch(id=value.array_id)), "fetch", collect_bytes=True).result()
+        return np.frombuffer(data, dtypes.to_numpy(value.kind)).reshape(value.shape)
+
+    # -- programs --------------------------------------------------------------------------
+
+    def compile(self, program: bytes, compile_options: bytes, device_ids: Sequence[int]) -> RemoteProgram:
+        devices = [self._current(self._device(d)) for d in device_ids]
+        islands = sorted({d.island for d in devices})
+        if len({d.worker_id for d in devices}) > 1:
+            raise InvalidRequest(
+                f"this program's devices {list(device_ids)} span islands {islands}. A program runs on one "
+                "island (devices that share a fast interconnect); between islands, data moves with "
+                "jax.device_put. Split the model into stages, one jit per island, and pipeline microbatches: "
+                "run stage 1 on island 0, device_put its outputs to island 1, run stage 2 there"
+            )
+        local_ids = tuple(d.local_id for d in devices)
+        options = _localize(compile_options, {d.id: d.local_id for d in devices})
+        return self.cluster.compile(devices[0], program, options, device_ids, local_ids)
+
+    def execute(self, program: RemoteProgram, args: Sequence, keep: frozenset[int] = frozenset()) -> list:
+        device = self._current(self._device(program.device_ids[0]))
+        link = self._link(device)
+        for index, arg in enumerate(args):
+            if isinstance(arg, RemoteArray) and arg.link is link:
+                continue
+            if isinstance(arg, RemoteArray) and arg.link.worker_id == link.worker_id:
+                raise WorkerLost(
+                    f"argument {index} of {program.name} was lost when {link.describe()} restarted; "
+                    "compute or transfer it again"
+                )
+            raise InvalidRequest(
+                f"argument {index} of {program.name} is not on island {device.island} where the program "
+                "runs; move it first (jax.device_put)"
+            )
+        program_id = self.cluster.program_id_on(program, device)
+        results = [
+            RemoteArray(link, link.new_id(), _kind(aval), aval.shape, sharding)
+            for aval, sharding in zip(program.signature.results, program.output_shardings, strict=True)
+        ]
+        link.send(
+            pb.Command(
+                execute=pb.Execute(
+                    program=program_id,
+                    args=[a.array_id for a in args],
+                    results=[r.array_id for r in results],
+                    keep=sorted(keep),
+                )
+            )
+        )
+        return results
+
+    def cost_analysis(self, program: RemoteProgram) -> dict[str, float]:
+        device = self._current(self._device(program.device_ids[0]))
+        command = pb.Command(program_query=pb.ProgramQuery(program=self.cluster.program_id_on(program, device)))
+        return dict(self.cluster.query(device, command, "program_query").costs.values)
+
+    def program_text(self, program: RemoteProgram) -> str:
+        device = self._current(self._device(program.device_ids[0]))
+        program_id = self.cluster.program_id_on(program, device)
+        command = pb.Command(program_query=pb.ProgramQuery(program=program_id, text=True))
+        return self.cluster.query(device, command, "program_query").text
+
+    # -- ending ----------------------------------------------------------------------------
+
+    def release(self) -> None:
+        with self._lock:
+            links, self._links = list(self._links.values()), {}
+        for link in links:
+            link.close()
+        self._lease.cancel()
+
+
+def _kind(aval) -> int:
+    return dtypes.TOKEN_KIND if aval.is_token else dtypes.from_numpy(aval.dtype)
+
+
+def _region(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(*s.indices(d)[:2]) for s, d in zip(index, shape, strict=True))
+
+
+def _contains(outer: tuple[slice, ...], inner: tuple[slice, ...]) -> bool:
+    return all(o.start <= i.start and i.stop <= o.stop for o, i in zip(outer, inner, strict=True))
+
+
+def _localize(compile_options: bytes, local_ids: dict[int, int]) -> bytes:
+    """The compile options with the device assignment in the worker's local ids."""
+    options = schema.load().xla.CompileOptionsProto.FromString(compile_options)
+    assignment = options.executable_build_options.device_assignment
+    for computation in assignment.computation_devices:
+        computation.replica_device_ids[:] = [local_ids[i] for i in computation.replica_device_ids]
+    return options.SerializeToString()

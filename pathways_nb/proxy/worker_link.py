@@ -1,0 +1,176 @@
+"""A proxy session's command stream to one worker.
+
+Commands are queued without waiting and go out in batches: whatever has been
+queued when gRPC asks for the next message goes in it, so a burst of requests
+costs one message. Requests that want an answer get a future. If the stream
+breaks (the worker died or restarted), every waiting future and every later
+command fails with an error that names the island and host.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import threading
+from concurrent.futures import Future
+
+import grpc
+
+from pathways_nb.aio_server import SERVER_OPTIONS
+from pathways_nb.protocol.errors import RequestError, Unavailable
+from pathways_nb.rpc import cluster_pb2 as pb
+from pathways_nb.rpc import cluster_pb2_grpc
+
+_LOGGER = logging.getLogger(__name__)
+
+# How often the batcher looks for arrays to forget when nothing else is queued.
+_IDLE_FLUSH_S = 0.2
+
+
+class WorkerLost(Unavailable):
+    """The worker of an island cannot be reached."""
+
+
+class WorkerLink:
+    """One session's ordered command stream to one worker."""
+
+    def __init__(self, worker: pb.Device, session_key: str):
+        self.worker_id = worker.worker_id
+        self.address = worker.worker_address
+        self.island = worker.island
+        self.host_index = worker.host_index
+        self.incarnation = worker.incarnation
+        self.session_key = session_key
+        self._cond = threading.Condition()
+        self._pending: list[pb.Command] = []
+        self._forgotten: collections.deque[int] = collections.deque()
+        self._closed = False
+        self._error: RequestError | None = None
+        self._ids = itertools.count(1)
+        self._requests = itertools.count(1)
+        self._waiters: dict[int, tuple[Future, bytearray | None]] = {}
+        self._channel = grpc.insecure_channel(self.address, options=SERVER_OPTIONS)
+        self._call = cluster_pb2_grpc.WorkerStub(self._channel).Session(self._batches())
+        self._reader = threading.Thread(target=self._read, name=f"pathways-link-{self.worker_id}", daemon=True)
+        self._reader.start()
+
+    def describe(self) -> str:
+        return f"island {self.island} host {self.host_index} ({self.address})"
+
+    @property
+    def alive(self) -> bool:
+        return self._error is None and not self._closed
+
+    def new_id(self) -> int:
+        return next(self._ids)
+
+    # -- sending ---------------------------------------------------------------------------
+
+    def send(self, command: pb.Command) -> None:
+        """Queues a command; raises ``WorkerLost`` if the worker is gone."""
+        with self._cond:
+            if self._error is not None:
+                raise self._error
+            if self._closed:
+                raise Unavailable(f"the session's link to {self.describe()} is closed")
+            self._pending.append(command)
+            if len(self._pending) == 1:
+                self._cond.notify()
+
+    def request(self, command: pb.Command, field: str, collect_bytes: bool = False) -> Future:
+        """Queues a command that answers; the future gets the reply (or the joined data bytes)."""
+        request_id = next(self._requests)
+        getattr(command, field).request = request_id
+        future: Future = Future()
+        with self._cond:
+            if self._error is not None:
+                raise self._error
+            self._waiters[request_id] = (future, bytearray() if collect_bytes else None)
+        try:
+            self.send(command)
+        except RequestError:
+            with self._cond:
+                self._waiters.pop(request_id, None)
+            raise
+        return future
+
+    def forget(self, array_id: int) -> None:
+        """Lets the worker drop an array no handle refers to any more (sent with the next batch)."""
+        self._forgotten.append(array_id)
+
+    def _batches(self):
+        yield pb.CommandBatch(session=self.session_key)
+        while True:
+            with self._cond:
+                while not self._pending and not self._closed and not self._forgotten:
+                    self._cond.wait(_IDLE_FLUSH_S)
+                commands, self._pending = self._pending, []
+                closed = self._closed
+            forgotten = []
+            while self._forgotten:
+                forgotten.append(self._forgotten.popleft())
+            if forgotten:
+                commands.append(pb.Command(forget=pb.Forget(ids=forgotten)))
+            if commands:
+                yield pb.CommandBatch(commands=commands)
+            if closed:
+                return
+
+    # -- receiving -------------------------------------------------------------------------
+
+    def _read(self) -> None:
+        try:
+            for batch in self._call:
+                for reply in batch.replies:
+                    self._deliver(reply)
+            if not self._closed:
+                self._lost("the worker ended the session")
+        except grpc.RpcError as error:
+            if not self._closed:
+                self._lost(f"{error.code().name}: {error.details()}")
+
+    def _deliver(self, reply: pb.Reply) -> None:
+        with self._cond:
+            entry = self._waiters.get(reply.request)
+            if entry is None:
+                return
+            future, data = entry
+            kind = reply.WhichOneof("reply")
+            if kind == "data" and data is not None:
+                data += reply.data
+                if reply.more:
+                    return
+            del self._waiters[reply.request]
+        if kind == "error":
+            failure = RequestError(reply.error.message)
+            failure.code = reply.error.code
+            future.set_exception(failure)
+        elif data is not None and kind == "data":
+            future.set_result(data)
+        else:
+            future.set_result(reply)
+
+    def _lost(self, detail: str) -> None:
+        error = WorkerLost(
+            f"{self.describe()} is unreachable ({detail}); arrays on island {self.island} are lost and "
+            f"work on it fails until the worker is back. Other islands keep serving"
+        )
+        _LOGGER.warning("%s", error.message)
+        with self._cond:
+            self._error = error
+            waiters, self._waiters = self._waiters, {}
+            self._cond.notify_all()
+        for future, _data in waiters.values():
+            future.set_exception(error)
+
+    def close(self) -> None:
+        """Ends the stream (the worker drops the session's arrays); pending requests fail."""
+        with self._cond:
+            self._closed = True
+            waiters, self._waiters = self._waiters, {}
+            self._cond.notify_all()
+        for future, _data in waiters.values():
+            future.set_exception(Unavailable(f"the session's link to {self.describe()} was closed"))
+        self._call.cancel()
+        self._channel.close()
