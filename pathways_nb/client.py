@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pathways_nb import jax_plugin
 from pathways_nb.errors import ConnectionFailed, PathwaysError
+from pathways_nb.session_options import SessionOptions, default_tenant
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -43,6 +46,7 @@ class Connection:
     devices: list = field(repr=False)
     platform: str = ""
     runtime: str = ""
+    tenant: str = ""
 
     def __repr__(self) -> str:
         return f"<pathways_nb.Connection {self.address} devices={len(self.devices)} platform={self.platform}>"
@@ -57,12 +61,25 @@ class _Previous:
 _state: dict[str, object] = {}
 
 
-def connect(address: str | None = None, *, timeout_s: float = 60.0) -> Connection:
+def connect(
+    address: str | None = None,
+    *,
+    timeout_s: float = 60.0,
+    exclusive: bool = False,
+    num_devices: int = 0,
+    islands: Sequence[int] = (),
+    tenant: str | None = None,
+    progress: bool = True,
+) -> Connection:
     """Makes ``jax.devices()`` the devices of the cluster at ``address``.
 
-    ``address`` defaults to the ``PATHWAYS_ADDRESS`` environment variable.
-    Raises ``ConnectionFailed`` (JAX left on its previous devices) if nothing
-    answers within ``timeout_s`` seconds.
+    ``address`` defaults to the ``PATHWAYS_ADDRESS`` environment variable. By
+    default the session shares every device of the cluster with other
+    tenants; ``exclusive=True`` waits until nobody else holds them (a progress
+    bar says for whom it waits), ``num_devices`` and ``islands`` ask for part
+    of the cluster. Raises ``ConnectionFailed`` (JAX left on its previous
+    devices) if the server does not answer, or the devices are not free,
+    within ``timeout_s`` seconds.
     """
     import jax
     from jax.extend import backend
@@ -71,24 +88,93 @@ def connect(address: str | None = None, *, timeout_s: float = 60.0) -> Connectio
     current = _state.get("connection")
     if current is not None:
         raise PathwaysError(f"already connected to {current.address}; call pathways_nb.disconnect() first")
+    options = SessionOptions(
+        tenant=tenant or default_tenant(),
+        exclusive=exclusive,
+        num_devices=num_devices,
+        islands=tuple(islands),
+        timeout_s=timeout_s,
+    )
     previous = _Previous(jax.config.jax_platforms, jax.config.read("jax_backend_target"))
     os.environ[jax_plugin.INSECURE_ENV] = "true"
-    os.environ[jax_plugin.TIMEOUT_ENV] = str(timeout_s)
+    # The client waits a little longer than the server, so that the server's reason arrives.
+    os.environ[jax_plugin.TIMEOUT_ENV] = str(timeout_s + 5)
+    jax_plugin.session_options = options
     backend.clear_backends()
     jax.config.update("jax_platforms", f"{jax_plugin.PLATFORM},cpu")
     jax.config.update("jax_backend_target", address)
     jax_plugin.register()
     try:
-        devices = jax.devices(jax_plugin.PLATFORM)
+        devices = _devices_showing_the_wait(address, options, progress)
     except Exception as e:  # noqa: BLE001 - JAX wraps connection errors in RuntimeError
         _restore(previous)
-        raise ConnectionFailed(address, timeout_s, str(e)) from None
+        raise ConnectionFailed(address, timeout_s, _reason(e)) from None
     jax.clear_caches()
     proxy = backend.get_backend(jax_plugin.PLATFORM)
-    connection = Connection(address, devices, proxy.platform, proxy.runtime_type)
+    connection = Connection(address, devices, proxy.platform, proxy.runtime_type, options.tenant)
     _state["connection"] = connection
     _state["previous"] = previous
     return connection
+
+
+def _devices_showing_the_wait(address: str, options: SessionOptions, progress: bool) -> list:
+    """``jax.devices("proxy")``, with a progress bar if the cluster makes the session wait."""
+    import jax
+
+    result: dict[str, object] = {}
+
+    def connect_now() -> None:
+        try:
+            result["devices"] = jax.devices(jax_plugin.PLATFORM)
+        except Exception as e:  # noqa: BLE001 - handed to the caller
+            result["error"] = e
+
+    thread = threading.Thread(target=connect_now, name="pathways-connect", daemon=True)
+    thread.start()
+    thread.join(1.0)
+    bar = None
+    try:
+        while thread.is_alive():
+            reason = _queue_position(address, options.tenant)
+            if reason and progress:
+                if bar is None:
+                    from tqdm.auto import tqdm
+
+                    bar = tqdm(total=None, desc="waiting for devices", bar_format="{desc} ({elapsed})")
+                bar.set_description_str(reason)
+                bar.refresh()
+            thread.join(0.5)
+    finally:
+        if bar is not None:
+            bar.close()
+    if "error" in result:
+        raise result["error"]
+    return result["devices"]
+
+
+def _queue_position(address: str, tenant: str) -> str | None:
+    """Why this tenant waits, as the cluster's queue says (None if it does not wait)."""
+    import grpc
+
+    from pathways_nb.rpc import cluster_pb2 as pb
+    from pathways_nb.rpc import cluster_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(address.removeprefix("grpc://")) as channel:
+            state = cluster_pb2_grpc.ObserveStub(channel).GetClusterState(pb.ClusterStateRequest(), timeout=2)
+    except grpc.RpcError:
+        return None
+    for queued in state.queue:
+        if queued.tenant == tenant:
+            return queued.waiting.reason
+    return None
+
+
+def _reason(error: Exception) -> str:
+    """The server's own words from JAX's wrapped connection error."""
+    text = str(error)
+    marker = "detailed error: "
+    return text.split(marker, 1)[1] if marker in text else text
 
 
 def disconnect() -> None:
@@ -114,5 +200,6 @@ def _restore(previous: _Previous) -> None:
     gc.collect()
     backend.clear_backends()
     jax_plugin.unregister()
+    jax_plugin.session_options = None
     jax.config.update("jax_platforms", previous.platforms)
     jax.config.update("jax_backend_target", previous.backend_target)

@@ -17,6 +17,9 @@ TIMEOUT_ENV = "PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS"
 INSECURE_ENV = "IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS"
 DEFAULT_TIMEOUT_S = 60.0
 
+# Set by pathways_nb.connect: what this process asks of the cluster (None: the defaults).
+session_options = None
+
 
 def _requested_platforms() -> list[str]:
     import jax
@@ -71,6 +74,8 @@ def make_client():
     os.environ.setdefault(INSECURE_ENV, "true")
     options = ifrt_proxy.ClientConnectionOptions()
     options.connection_timeout_in_seconds = max(1, round(connection_timeout_s()))
+    if session_options is not None:
+        options.initialization_data = session_options.to_initialization_data()
     # No on_disconnect callback: the client calls it from its destructor, which at interpreter
     # exit runs after Python can no longer be entered, and the process aborts.
     return ifrt_proxy.get_client(target, options)

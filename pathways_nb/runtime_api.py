@@ -122,6 +122,10 @@ class Runtime(Protocol):
         """The devices of a new session (may wait for capacity; raises ``RequestError``)."""
         ...
 
+    def cluster_state(self) -> Any:
+        """The devices, workers, allocations and queue (a ``pathways_nb.v1.ClusterState``)."""
+        ...
+
     def close(self) -> None:
         """Lets go of everything (the server is stopping)."""
         ...

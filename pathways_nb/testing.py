@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import queue
+import subprocess
+import sys
+import textwrap
 from collections.abc import Iterator
 
 import grpc
@@ -121,3 +125,17 @@ class WireSession:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def python_process(code: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``python -c code args...`` with pipes, and without this process's JAX settings."""
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    environment.update(env or {})
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        env=environment,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )

@@ -44,20 +44,12 @@ from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
 from pathways_nb.rpc.convert import array_meta, program_from_proto
 from pathways_nb.runtime_api import DeviceDescription, ProgramInfo
+from pathways_nb.session_options import SessionOptions
 
 _LOGGER = logging.getLogger(__name__)
 
 # Upload chunk size on worker streams.
 PUT_CHUNK_BYTES = 4 << 20
-
-# Keys of ClientConnectionOptions.initialization_data that shape a session's allocation.
-TENANT, EXCLUSIVE, DEVICES, ISLANDS, TIMEOUT = (
-    "pathways_tenant",
-    "pathways_exclusive",
-    "pathways_devices",
-    "pathways_islands",
-    "pathways_allocation_timeout_s",
-)
 
 _DEVICE_CLASS = {"cpu": "CpuDevice", "cuda": "CudaDevice", "rocm": "RocmDevice", "tpu": "TpuDevice"}
 
@@ -122,8 +114,11 @@ class ClusterRuntime:
         with self._lock:
             return self._workers.get(worker_id)
 
-    def state(self) -> pb.ClusterState:
-        return self._rm.GetClusterState(pb.ClusterStateRequest(), timeout=10)
+    def cluster_state(self) -> pb.ClusterState:
+        try:
+            return self._rm.GetClusterState(pb.ClusterStateRequest(), timeout=10)
+        except grpc.RpcError as error:
+            raise _rm_error(error, self.rm_address) from None
 
     # -- sessions --------------------------------------------------------------------------
 
@@ -216,24 +211,18 @@ class ClusterRuntime:
         self._channel.close()
 
 
-def _allocation_request(
-    attributes: dict[str, Any], default_timeout_s: float, default_tenant: str
-) -> pb.AllocateRequest:
-    def text(key: str, default: str) -> str:
-        value = attributes.get(key, default)
-        return value.decode() if isinstance(value, bytes) else str(value)
-
-    islands = text(ISLANDS, "")
+def _allocation_request(attributes: dict[str, Any], default_timeout_s: float, default_tenant: str):
     try:
-        return pb.AllocateRequest(
-            tenant=text(TENANT, default_tenant),
-            exclusive=bool(attributes.get(EXCLUSIVE, False)),
-            num_devices=int(attributes.get(DEVICES, 0)),
-            islands=[int(i) for i in islands.split(",") if i.strip()],
-            timeout_s=float(attributes.get(TIMEOUT, default_timeout_s)),
-        )
+        options = SessionOptions.from_attributes(attributes, default_timeout_s, default_tenant)
     except ValueError as e:
         raise InvalidRequest(f"malformed allocation options {attributes}: {e}") from e
+    return pb.AllocateRequest(
+        tenant=options.tenant,
+        exclusive=options.exclusive,
+        num_devices=options.num_devices,
+        islands=options.islands,
+        timeout_s=options.timeout_s,
+    )
 
 
 def _rm_error(error: grpc.RpcError, address: str) -> RequestError:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from pathways_nb.aio_server import BackgroundServer
+from pathways_nb.proxy import observe
 from pathways_nb.proxy.context import ProxyContext, ProxyLimits
 from pathways_nb.proxy.service import SERVICE_NAME, IfrtProxyService
+from pathways_nb.rpc import cluster_pb2_grpc
 from pathways_nb.runtime_api import Runtime
 
 
@@ -16,12 +18,14 @@ class ProxyServer:
         self.service = IfrtProxyService(self.context)
         try:
             handler = self.service.generic_handler()
+            observer = observe.ObserveService(self.context)
+
+            def register(server) -> None:
+                server.add_generic_rpc_handlers((handler,))
+                cluster_pb2_grpc.add_ObserveServicer_to_server(observer, server)
+
             self._server = BackgroundServer(
-                lambda server: server.add_generic_rpc_handlers((handler,)),
-                [SERVICE_NAME],
-                port,
-                host,
-                on_stop=self._close_sessions,
+                register, [SERVICE_NAME, observe.SERVICE_NAME], port, host, on_stop=self._close_sessions
             )
         except BaseException:
             self.context.close()

@@ -126,6 +126,19 @@ class Allocator:
         free = [d for d in pool if d not in unavailable]
         return tuple(free[: ticket.num_devices]) if len(free) >= ticket.num_devices else None
 
+    def queued(self, devices: list[pb.Device]) -> list[pb.QueuedRequest]:
+        now = time.monotonic()
+        return [
+            pb.QueuedRequest(
+                tenant=t.tenant,
+                exclusive=t.exclusive,
+                num_devices=t.num_devices,
+                waiting=self.waiting(t, devices),
+                age_s=now - t.created,
+            )
+            for t in self.queue
+        ]
+
     def states(self) -> list[pb.AllocationState]:
         now = time.monotonic()
         return [

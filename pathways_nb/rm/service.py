@@ -155,6 +155,7 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
             devices=self.registry.devices(),
             allocations=self.allocator.states(),
             waiting=len(self.allocator.queue),
+            queue=self.allocator.queued(self.registry.devices()),
             islands=topology.islands if topology else len(self.registry.islands()),
             hosts_per_island=topology.hosts_per_island if topology else 0,
             devices_per_host=topology.devices_per_host if topology else 0,

@@ -279,6 +279,87 @@ class ResourceManager:
             _registered_method=True)
 
 
+class ObserveStub:
+    """--------------------------------------------------------------- observe --
+
+    Served by the proxy, next to the IFRT proxy service: what notebooks show.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.GetClusterState = channel.unary_unary(
+                '/pathways_nb.v1.Observe/GetClusterState',
+                request_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.ClusterStateRequest.SerializeToString,
+                response_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.ClusterState.FromString,
+                _registered_method=True)
+
+
+class ObserveServicer:
+    """--------------------------------------------------------------- observe --
+
+    Served by the proxy, next to the IFRT proxy service: what notebooks show.
+    """
+
+    def GetClusterState(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ObserveServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'GetClusterState': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetClusterState,
+                    request_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.ClusterStateRequest.FromString,
+                    response_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.ClusterState.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pathways_nb.v1.Observe', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pathways_nb.v1.Observe', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Observe:
+    """--------------------------------------------------------------- observe --
+
+    Served by the proxy, next to the IFRT proxy service: what notebooks show.
+    """
+
+    @staticmethod
+    def GetClusterState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pathways_nb.v1.Observe/GetClusterState',
+            pathways__nb_dot_rpc_dot_cluster__pb2.ClusterStateRequest.SerializeToString,
+            pathways__nb_dot_rpc_dot_cluster__pb2.ClusterState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class WorkerStub:
     """----------------------------------------------------------------- worker --
 

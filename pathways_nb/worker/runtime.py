@@ -81,6 +81,46 @@ class LocalRuntime:
     def close(self) -> None:
         """Nothing to close: the devices go with the process."""
 
+    def cluster_state(self):
+        """This process as a one-island cluster whose sessions all share every device."""
+        from pathways_nb.rpc import cluster_pb2 as pb
+
+        address = f"{socket.gethostname()} (this process)"
+        worker = pb.WorkerState(
+            worker_id="island0-host0",
+            address=address,
+            healthy=True,
+            hostname=socket.gethostname(),
+            device_ids=self.device_ids,
+            pid=os.getpid(),
+            incarnation=1,
+        )
+        devices = [
+            pb.Device(
+                id=d.id,
+                island=0,
+                host_index=0,
+                local_id=d.id,
+                worker_id=worker.worker_id,
+                worker_address=address,
+                incarnation=1,
+                platform=d.platform,
+                kind=d.kind,
+                memory_kinds=d.memory_kinds,
+                local_hardware_id=d.local_hardware_id,
+                healthy=True,
+            )
+            for d in self.describe_devices(self.device_ids)
+        ]
+        return pb.ClusterState(
+            workers=[worker],
+            devices=devices,
+            islands=1,
+            hosts_per_island=1,
+            devices_per_host=len(devices),
+            platform=self.platform,
+        )
+
     # -- devices ---------------------------------------------------------------------------
 
     @property

@@ -1,0 +1,250 @@
+"""The cluster as a whole: islands, pipelines across them, tenants, dead workers, bad messages, processes."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import psutil
+import pytest
+
+from pathways_nb.cluster import LocalCluster
+from pathways_nb.rpc import cluster_pb2 as pb
+from pathways_nb.rpc import cluster_pb2_grpc
+from pathways_nb.testing import python_process
+
+
+@pytest.fixture(scope="module")
+def island_cluster():
+    """A cluster of its own: these tests kill workers and hold devices exclusively."""
+    with LocalCluster(islands=2, devices_per_host=2) as cluster:
+        yield cluster
+
+
+def _finish(process: subprocess.Popen, timeout_s: float = 180) -> str:
+    out, err = process.communicate(timeout=timeout_s)
+    assert process.returncode == 0, f"client failed:\n{out}\n{err[-4000:]}"
+    return out
+
+
+PIPELINE = """
+    import sys, json, jax, jax.numpy as jnp, numpy as np, pathways_nb
+    pathways_nb.connect(sys.argv[1])
+    island0, island1 = jax.devices()[0], jax.devices()[2]
+    rng = np.random.default_rng(0)
+    w1, w2 = rng.standard_normal((16, 32), np.float32), rng.standard_normal((32, 4), np.float32)
+    stage1 = jax.jit(lambda w, x: jnp.tanh(x @ w))
+    stage2 = jax.jit(lambda w, h: jax.nn.softmax(h @ w))
+    w1_0, w2_1 = jax.device_put(w1, island0), jax.device_put(w2, island1)
+    batches = [rng.standard_normal((8, 16), np.float32) for _ in range(6)]
+    outputs = []
+    for x in batches:                                   # microbatches flow through both islands
+        h = stage1(w1_0, jax.device_put(x, island0))
+        outputs.append(stage2(w2_1, jax.device_put(h, island1)))
+    got = np.concatenate([np.asarray(o) for o in outputs])
+    cpu = jax.devices("cpu")[0]
+    want = np.concatenate([np.asarray(stage2(jax.device_put(w2, cpu), stage1(jax.device_put(w1, cpu), x)))
+                           for x in batches])
+    print(json.dumps({"islands": [o.devices().pop().slice_index for o in outputs[:1]],
+                      "max_error": float(np.max(np.abs(got - want)))}))
+"""
+
+
+def test_two_stage_pipeline_across_islands(island_cluster):
+    result = json.loads(_finish(python_process(PIPELINE, island_cluster.address)))
+    assert result["islands"] == [1]
+    assert result["max_error"] == 0.0
+
+
+CLIENT = """
+    import sys, jax, jax.numpy as jnp, numpy as np, pathways_nb
+    connection = pathways_nb.connect(sys.argv[1], tenant=sys.argv[2])
+    devices = jax.devices()
+    step = jax.jit(lambda x: x * 1.5 + 1)
+    for round in range(20):
+        for device in devices:
+            x = jax.device_put(np.full((64,), round, np.float32), device)
+            assert float(step(x)[0]) == round * 1.5 + 1
+    print(len(devices), connection.tenant)
+"""
+
+
+def test_two_clients_at_once(island_cluster):
+    clients = [python_process(CLIENT, island_cluster.address, f"tenant-{i}") for i in range(2)]
+    outputs = [_finish(client).split() for client in clients]
+    assert outputs == [["4", "tenant-0"], ["4", "tenant-1"]]
+
+
+HOLD = """
+    import sys, pathways_nb
+    pathways_nb.connect(sys.argv[1], tenant="alice", exclusive=True)
+    print("holding", flush=True)
+    sys.stdin.readline()
+"""
+
+WAIT = """
+    import sys, time, pathways_nb
+    started = time.monotonic()
+    try:
+        pathways_nb.connect(sys.argv[1], tenant="bob", exclusive=True, timeout_s=3, progress=False)
+        print("connected")
+    except pathways_nb.ConnectionFailed as error:
+        print(round(time.monotonic() - started), error)
+"""
+
+
+def test_exclusive_use_queues_others_and_times_out(island_cluster):
+    holder = python_process(HOLD, island_cluster.address)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        waiter = python_process(WAIT, island_cluster.address)
+        deadline = time.monotonic() + 30
+        queued = []
+        while not queued and time.monotonic() < deadline:
+            queued = [q for q in island_cluster.state().queue if q.tenant == "bob"]
+            time.sleep(0.1)
+        assert queued and "held by alice (exclusive)" in queued[0].waiting.reason
+        seconds, message = _finish(waiter).split(" ", 1)
+        assert 2 <= int(seconds) <= 30
+        assert "alice (exclusive)" in message and "exclusive" in message
+    finally:
+        holder.communicate("\n", timeout=60)
+    # Disconnecting released the devices: an exclusive request now gets them at once.
+    assert _finish(python_process(WAIT, island_cluster.address)).strip() == "connected"
+    assert not island_cluster.state().allocations
+
+
+KILLED = """
+    import sys, json, time, jax, numpy as np, pathways_nb
+    pathways_nb.connect(sys.argv[1])
+    island0, island1 = jax.devices()[0], jax.devices()[2]
+    step = jax.jit(lambda x: x + 1)
+    a0, a1 = jax.device_put(np.zeros(4, np.float32), island0), jax.device_put(np.zeros(4, np.float32), island1)
+    print(float(step(a1)[0]), flush=True)
+    sys.stdin.readline()                                   # the test kills island 1's worker
+    started = time.monotonic()
+    try:
+        np.asarray(step(a1))
+        failure = None
+    except Exception as error:
+        failure = str(error)
+    report = {"failure": failure, "seconds": time.monotonic() - started, "island0": float(step(a0)[0])}
+    print(json.dumps(report), flush=True)
+    sys.stdin.readline()                                   # the test restarts it
+    fresh = jax.device_put(np.full(4, 41, np.float32), island1)
+    print(json.dumps({"island1": float(step(fresh)[0])}), flush=True)
+"""
+
+
+def test_dead_worker_fails_its_island_fast_and_rejoins(island_cluster):
+    client = python_process(KILLED, island_cluster.address)
+    try:
+        assert client.stdout.readline().strip() == "1.0"
+        island_cluster.kill_worker(1)
+        client.stdin.write("\n")
+        client.stdin.flush()
+        report = json.loads(client.stdout.readline())
+        assert "island 1 host 0" in report["failure"]
+        assert "unreachable" in report["failure"] or "down" in report["failure"]
+        assert report["seconds"] < 10
+        assert report["island0"] == 1.0
+        island_cluster.restart_worker(1)
+        deadline = time.monotonic() + 30
+        while not all(w.healthy for w in island_cluster.state().workers):
+            assert time.monotonic() < deadline, island_cluster.state()
+            time.sleep(0.1)
+        client.stdin.write("\n")
+        client.stdin.flush()
+        assert json.loads(client.stdout.readline()) == {"island1": 42.0}
+    finally:
+        client.kill()
+        client.communicate()
+
+
+def test_malformed_messages_to_resource_manager_and_worker(island_cluster):
+    with grpc.insecure_channel(island_cluster.resource_manager_address) as channel:
+        garbage = channel.unary_unary("/pathways_nb.v1.ResourceManager/RegisterWorker")
+        with pytest.raises(grpc.RpcError) as error:
+            garbage(b"\xff\xfe not a protobuf", timeout=10)
+        assert "Error parsing message with type 'pathways_nb.v1.RegisterWorkerRequest'" in error.value.details()
+        stub = cluster_pb2_grpc.ResourceManagerStub(channel)
+        with pytest.raises(grpc.RpcError) as error:
+            stub.RegisterWorker(pb.RegisterWorkerRequest(address="nowhere", island=7), timeout=10)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "host:port" in error.value.details()
+        with pytest.raises(grpc.RpcError) as error:
+            next(stub.Allocate(pb.AllocateRequest(num_devices=99), timeout=10))
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "99 devices" in error.value.details()
+        assert len(stub.GetClusterState(pb.ClusterStateRequest(), timeout=10).workers) == 2
+    worker_address = island_cluster.workers[(0, 0)].hostport
+    with grpc.insecure_channel(worker_address) as channel:
+        session = channel.stream_stream("/pathways_nb.v1.Worker/Session")
+        with pytest.raises(grpc.RpcError):
+            list(session(iter([b"\x0a\xff\xff\xff"]), timeout=10))
+        stub = cluster_pb2_grpc.WorkerStub(channel)
+        no_name = stub.Session(iter([pb.CommandBatch()]), timeout=10)
+        with pytest.raises(grpc.RpcError) as error:
+            list(no_name)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        unknown = pb.Command(fetch=pb.Fetch(id=12345, request=1))
+        replies = stub.Session(iter([pb.CommandBatch(session="probe", commands=[unknown])]), timeout=10)
+        reply = next(replies).replies[0]
+        assert reply.error.code == grpc.StatusCode.NOT_FOUND.value[0] and "12345" in reply.error.message
+        replies.cancel()
+    assert _finish(python_process(CLIENT, island_cluster.address, "after-bad-messages")).split()[0] == "4"
+
+
+def _children_of(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def test_close_leaves_no_process_behind():
+    cluster = LocalCluster(islands=1, devices_per_host=1)
+    pids = [child.process.pid for child in cluster.processes()]
+    assert len(pids) == 3 and all(psutil.pid_exists(pid) for pid in pids)
+    cluster.close()
+    cluster.close()
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in pids)
+
+
+def test_children_stop_when_their_launcher_is_killed():
+    launcher = python_process(
+        """
+        import time
+        from pathways_nb.cluster import LocalCluster
+        cluster = LocalCluster(islands=1, devices_per_host=1)
+        print(" ".join(str(c.process.pid) for c in cluster.processes()), flush=True)
+        time.sleep(600)
+        """
+    )
+    pids = [int(p) for p in launcher.stdout.readline().split()]
+    assert len(pids) == 3
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    deadline = time.monotonic() + 20
+    while any(psutil.pid_exists(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(psutil.pid_exists(pid) for pid in pids)
+
+
+def test_up_prints_its_address_and_stops_on_ctrl_c():
+    up = subprocess.Popen(
+        [sys.executable, "-m", "pathways_nb.cli", "up", "--islands", "1", "--devices-per-host", "1", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    first = up.stdout.readline()
+    assert first.startswith("pathways-nb cluster serving grpc://127.0.0.1:") and "started in" in first
+    children = _children_of(up.pid)
+    assert len(children) == 3
+    up.send_signal(signal.SIGINT)
+    assert up.wait(30) == 0
+    assert not any(child.is_running() and child.status() != "zombie" for child in children)
