@@ -178,10 +178,27 @@ def _reason(error: Exception) -> str:
 
 
 def disconnect() -> None:
-    """Returns JAX to this machine's devices; arrays on the cluster become unusable."""
-    if _state.pop("connection", None) is None:
+    """Returns JAX to this machine's devices; the session ends and its arrays become unusable."""
+    connection = _state.pop("connection", None)
+    if connection is None:
         return
     _restore(_state.pop("previous"))
+    _end_sessions(connection)
+
+
+def _end_sessions(connection: Connection) -> None:
+    """Asks the proxy to end this tenant's sessions now: arrays still held here would keep them open."""
+    import grpc
+
+    from pathways_nb.rpc import cluster_pb2 as pb
+    from pathways_nb.rpc import cluster_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(connection.address.removeprefix("grpc://")) as channel:
+            request = pb.EndSessionsRequest(tenant=connection.tenant)
+            cluster_pb2_grpc.ObserveStub(channel).EndSessions(request, timeout=10)
+    except grpc.RpcError as error:
+        _LOGGER.warning("could not end the session at %s: %s", connection.address, error.details())
 
 
 def current() -> Connection | None:

@@ -1,7 +1,7 @@
-"""The quickstart: start a local Pathways server, run ordinary JAX on it, compare with local JAX.
+"""The quickstart: start a local cluster, run ordinary JAX on it, compare with local JAX.
 
 ``python -m pathways_nb.quickstart`` (``make quickstart``) needs no cloud
-account: the server runs on this machine with 4 CPU devices.
+account: a cluster of two islands of 4 CPU devices each runs on this machine.
 """
 
 from __future__ import annotations
@@ -18,18 +18,17 @@ def main() -> int:
     from jax.sharding import PartitionSpec as P
 
     import pathways_nb
-    from pathways_nb.processes import ChildServer
+    from pathways_nb.cluster import LocalCluster
 
-    started = time.monotonic()
-    server = ChildServer("proxy", ["proxy", "--server_port", "0", "--devices", "4"])
-    server.start()
-    try:
-        print(f"server: {server.address} (started in {time.monotonic() - started:.1f} s)")
-        connection = pathways_nb.connect(server.address)
+    with LocalCluster(islands=2, devices_per_host=4) as cluster:
+        print(f"cluster: {cluster} (started in {cluster.startup_s:.1f} s)")
+        connection = pathways_nb.connect(cluster.address)
         print(f"connected: {connection}")
         print(f"jax.devices(): {jax.devices()}")
+        island0 = [d for d in jax.devices() if d.slice_index == 0]
+        island1 = [d for d in jax.devices() if d.slice_index == 1]
 
-        mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
+        mesh = Mesh(np.array(island0).reshape(2, 2), ("data", "model"))
         x = jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8), NamedSharding(mesh, P("data", "model")))
         print(f"a sharded array: shape {x.shape}, {len(x.addressable_shards)} shards on {x.sharding}")
 
@@ -50,9 +49,10 @@ def main() -> int:
                 w_local, loss_local = step(w_local, np.asarray(x))
         difference = float(np.max(np.abs(np.asarray(w) - np.asarray(w_local))))
         print(f"the same steps on local JAX: loss {float(loss_local):.4f}; largest weight difference {difference:.1e}")
+
+        moved = jax.device_put(w, NamedSharding(Mesh(np.array(island1).reshape(2, 2), ("data", "model")), P("model")))
+        print(f"weights moved to island 1 (worker to worker): {sorted(d.id for d in moved.devices())}")
         pathways_nb.disconnect()
-    finally:
-        server.close()
     return 0
 
 

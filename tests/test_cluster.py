@@ -80,9 +80,13 @@ def test_two_clients_at_once(island_cluster):
 
 
 HOLD = """
-    import sys, pathways_nb
+    import sys, jax, numpy as np, pathways_nb
     pathways_nb.connect(sys.argv[1], tenant="alice", exclusive=True)
+    kept = jax.device_put(np.ones(4, np.float32), jax.devices()[0])   # an array that outlives the session
     print("holding", flush=True)
+    sys.stdin.readline()
+    pathways_nb.disconnect()
+    print("released", flush=True)
     sys.stdin.readline()
 """
 
@@ -111,10 +115,13 @@ def test_exclusive_use_queues_others_and_times_out(island_cluster):
         seconds, message = _finish(waiter).split(" ", 1)
         assert 2 <= int(seconds) <= 30
         assert "alice (exclusive)" in message and "exclusive" in message
+        # Disconnecting releases the devices, although alice still holds an array.
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline().strip() == "released"
+        assert _finish(python_process(WAIT, island_cluster.address)).strip() == "connected"
     finally:
         holder.communicate("\n", timeout=60)
-    # Disconnecting released the devices: an exclusive request now gets them at once.
-    assert _finish(python_process(WAIT, island_cluster.address)).strip() == "connected"
     assert not island_cluster.state().allocations
 
 

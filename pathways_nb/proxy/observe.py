@@ -8,14 +8,22 @@ import grpc
 
 from pathways_nb.protocol.errors import RequestError
 from pathways_nb.proxy.context import ProxyContext
+from pathways_nb.proxy.service import IfrtProxyService
+from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
 
 SERVICE_NAME = "pathways_nb.v1.Observe"
 
 
 class ObserveService(cluster_pb2_grpc.ObserveServicer):
-    def __init__(self, context: ProxyContext):
+    def __init__(self, context: ProxyContext, service: IfrtProxyService):
         self.context = context
+        self.service = service
+
+    async def EndSessions(self, request, context):
+        if not request.tenant:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "name the tenant whose sessions to end")
+        return pb.EndSessionsResponse(ended=self.service.end_tenant(request.tenant))
 
     async def GetClusterState(self, request, context):
         try:

@@ -18,7 +18,7 @@ class ProxyServer:
         self.service = IfrtProxyService(self.context)
         try:
             handler = self.service.generic_handler()
-            observer = observe.ObserveService(self.context)
+            observer = observe.ObserveService(self.context, self.service)
 
             def register(server) -> None:
                 server.add_generic_rpc_handlers((handler,))

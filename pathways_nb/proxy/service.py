@@ -175,6 +175,20 @@ class IfrtProxyService:
         if session is not None:
             session.close(f"session {session_id} ended: {reason}")
 
+    def end_tenant(self, tenant: str) -> int:
+        """Ends every session of ``tenant`` (its client asked to disconnect); returns how many."""
+        with self._sessions_lock:
+            ended = [
+                (session_id, self._outboxes.get(session_id))
+                for session_id, session in self._sessions.items()
+                if session.tenant == tenant
+            ]
+        for session_id, outbox in ended:
+            if outbox is not None:
+                outbox.close(grpc.StatusCode.UNAVAILABLE, "the client disconnected (pathways_nb.disconnect)")
+            self._end_session(session_id, "the client disconnected")
+        return len(ended)
+
     def sessions(self) -> list[Session]:
         with self._sessions_lock:
             return list(self._sessions.values())

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
+from pathways_nb import session_options
 from pathways_nb.dataflow import ArrayRecord, Pending, run_after
 from pathways_nb.protocol import schema
 from pathways_nb.protocol.errors import (
@@ -90,6 +91,13 @@ class Session:
     @property
     def device_ids(self) -> tuple[int, ...]:
         return self.runtime.device_ids
+
+    @property
+    def tenant(self) -> str:
+        """Who the client said it is (``connect(tenant=...)``), or a name for the session."""
+        value = self.init_attributes.get(session_options.TENANT, b"")
+        text = value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+        return text or f"session-{self.session_id}"
 
     # -- serving ---------------------------------------------------------------------------
 

@@ -296,6 +296,11 @@ class ObserveStub:
                 request_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.ClusterStateRequest.SerializeToString,
                 response_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.ClusterState.FromString,
                 _registered_method=True)
+        self.EndSessions = channel.unary_unary(
+                '/pathways_nb.v1.Observe/EndSessions',
+                request_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.EndSessionsRequest.SerializeToString,
+                response_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.EndSessionsResponse.FromString,
+                _registered_method=True)
 
 
 class ObserveServicer:
@@ -310,6 +315,14 @@ class ObserveServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EndSessions(self, request, context):
+        """Ends a tenant's sessions now (pathways_nb.disconnect), freeing their arrays and devices
+        even while the client process still holds arrays that keep its IFRT client alive.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ObserveServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -317,6 +330,11 @@ def add_ObserveServicer_to_server(servicer, server):
                     servicer.GetClusterState,
                     request_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.ClusterStateRequest.FromString,
                     response_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.ClusterState.SerializeToString,
+            ),
+            'EndSessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndSessions,
+                    request_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.EndSessionsRequest.FromString,
+                    response_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.EndSessionsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -349,6 +367,33 @@ class Observe:
             '/pathways_nb.v1.Observe/GetClusterState',
             pathways__nb_dot_rpc_dot_cluster__pb2.ClusterStateRequest.SerializeToString,
             pathways__nb_dot_rpc_dot_cluster__pb2.ClusterState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndSessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pathways_nb.v1.Observe/EndSessions',
+            pathways__nb_dot_rpc_dot_cluster__pb2.EndSessionsRequest.SerializeToString,
+            pathways__nb_dot_rpc_dot_cluster__pb2.EndSessionsResponse.FromString,
             options,
             channel_credentials,
             insecure,
