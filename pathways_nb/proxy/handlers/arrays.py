@@ -288,31 +288,41 @@ def fully_replicated_shard(session, request, op_id):
     return session.messages.proxy.FullyReplicatedShardResponse(array_handle=handle)
 
 
-@handles("copy_arrays_request", outputs=lambda r: r.result_handles)
-def copy_arrays(session, request, op_id):
-    """The same arrays on other devices or memories (``jax.device_put`` to new devices)."""
-    sources = session.records(request.array_handles)
-    if request.result_handles and len(request.result_handles) != len(sources):
-        raise InvalidRequest(f"{len(request.result_handles)} result handles for {len(sources)} arrays")
-    memory_kind = request.memory_kind or None if request.HasField("memory_kind") else None
-    result_handles = []
-    for index, source in enumerate(sources):
-        device_ids = tuple(request.device_ids) or source.sharding.device_ids
-        target = source.sharding.with_devices(device_ids, memory_kind or source.sharding.memory_kind)
+def _move_all(session, sources: list[ArrayRecord], targets: list[IfrtSharding], result_handles, semantics) -> list:
+    """Each source's value laid out by its target sharding, under the client's result handles."""
+    if result_handles and len(result_handles) != len(sources):
+        raise InvalidRequest(f"{len(result_handles)} result handles for {len(sources)} arrays")
+    handles_out = []
+    for index, (source, target) in enumerate(zip(sources, targets, strict=True)):
         session.runtime.check_sharding(target)
         record = ArrayRecord(source.kind, source.shape, target)
-        handle = request.result_handles[index] if request.result_handles else 0
-        result_handles.append(
+        handle = result_handles[index] if result_handles else 0
+        handles_out.append(
             _derive(
                 session,
                 handle,
                 [source],
                 record,
                 lambda s=source, t=target: session.runtime.copy(s.value, t),
-                request.copy_semantics,
+                semantics,
             )
         )
-    return session.messages.proxy.CopyArraysResponse(array_handles=result_handles)
+    return handles_out
+
+
+@handles("copy_arrays_request", outputs=lambda r: r.result_handles)
+def copy_arrays(session, request, op_id):
+    """The same arrays on other devices or memories (``jax.device_put`` to new devices)."""
+    sources = session.records(request.array_handles)
+    memory_kind = request.memory_kind or None if request.HasField("memory_kind") else None
+    targets = [
+        source.sharding.with_devices(
+            tuple(request.device_ids) or source.sharding.device_ids, memory_kind or source.sharding.memory_kind
+        )
+        for source in sources
+    ]
+    handles_out = _move_all(session, sources, targets, request.result_handles, request.copy_semantics)
+    return session.messages.proxy.CopyArraysResponse(array_handles=handles_out)
 
 
 @handles("reshard_arrays_request", outputs=lambda r: r.result_handles)
@@ -321,23 +331,9 @@ def reshard_arrays(session, request, op_id):
     sources = session.records(request.array_handles)
     if len(request.array_specs) != len(sources):
         raise InvalidRequest(f"{len(request.array_specs)} array specs for {len(sources)} arrays")
-    result_handles = []
-    for index, (source, spec) in enumerate(zip(sources, request.array_specs, strict=True)):
-        target = shardings.from_proto(spec.sharding)
-        session.runtime.check_sharding(target)
-        record = ArrayRecord(source.kind, source.shape, target)
-        handle = request.result_handles[index] if request.result_handles else 0
-        result_handles.append(
-            _derive(
-                session,
-                handle,
-                [source],
-                record,
-                lambda s=source, t=target: session.runtime.copy(s.value, t),
-                request.copy_semantics,
-            )
-        )
-    return session.messages.proxy.ReshardArraysResponse(array_handles=result_handles)
+    targets = [shardings.from_proto(spec.sharding) for spec in request.array_specs]
+    handles_out = _move_all(session, sources, targets, request.result_handles, request.copy_semantics)
+    return session.messages.proxy.ReshardArraysResponse(array_handles=handles_out)
 
 
 @handles("remap_arrays_request", outputs=lambda r: r.result_handles)
