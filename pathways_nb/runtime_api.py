@@ -9,7 +9,7 @@ and waited for.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -118,8 +118,11 @@ class DeviceValue(Protocol):
 class Runtime(Protocol):
     """The devices a proxy serves: each client session gets its share with ``open_session``."""
 
-    def open_session(self, session_id: int, attributes: dict[str, Any]) -> DeviceSession:
-        """The devices of a new session (may wait for capacity; raises ``RequestError``)."""
+    def open_session(self, session_id: int, attributes: dict[str, Any], events: Callable) -> DeviceSession:
+        """The devices of a new session (may wait for capacity; raises ``RequestError``).
+
+        ``events`` receives the session's ``execute`` and ``transfer`` events.
+        """
         ...
 
     def cluster_state(self) -> Any:

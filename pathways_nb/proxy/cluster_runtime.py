@@ -29,6 +29,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from pathways_nb.events import EventSink
 from pathways_nb.protocol import dtypes, schema
 from pathways_nb.protocol.errors import (
     DeadlineExceeded,
@@ -122,14 +123,14 @@ class ClusterRuntime:
 
     # -- sessions --------------------------------------------------------------------------
 
-    def open_session(self, session_id: int, attributes: dict[str, Any]) -> ClusterSession:
+    def open_session(self, session_id: int, attributes: dict[str, Any], events: EventSink) -> ClusterSession:
         """Allocates devices for a session, waiting in the queue if the cluster is busy."""
         request = _allocation_request(attributes, self.allocation_timeout_s, f"{self.key}-s{session_id}")
         lease = self._rm.Allocate(request)
         try:
             for update in lease:
                 if update.HasField("granted"):
-                    session = ClusterSession(self, session_id, update.granted, lease)
+                    session = ClusterSession(self, session_id, update.granted, lease, events)
                     self._sessions.add(session)
                     return session
                 _LOGGER.info("session %d: %s", session_id, update.waiting.reason)
@@ -239,12 +240,14 @@ def _rm_error(error: grpc.RpcError, address: str) -> RequestError:
 class ClusterSession:
     """One client session's devices in the cluster, and its streams to their workers."""
 
-    def __init__(self, cluster: ClusterRuntime, session_id: int, allocation: pb.Allocation, lease):
+    def __init__(self, cluster: ClusterRuntime, session_id: int, allocation: pb.Allocation, lease, events: EventSink):
         self.cluster = cluster
+        self.events = events
         self.session_id = session_id
         self.allocation = allocation
         self._lease = lease
         self._devices = {d.id: d for d in allocation.devices}
+        self._global_ids = {(d.worker_id, d.local_id): d.id for d in allocation.devices}
         self._device_ids = tuple(d.id for d in allocation.devices)
         self._links: dict[str, WorkerLink] = {}
         self._lock = threading.Lock()
@@ -324,9 +327,18 @@ class ClusterSession:
                 )
             if link is not None:
                 link.close()
-            link = WorkerLink(device, f"{self.cluster.key}-s{self.session_id}-{device.incarnation}")
+            link = WorkerLink(
+                device, f"{self.cluster.key}-s{self.session_id}-{device.incarnation}", self._worker_events
+            )
             self._links[device.worker_id] = link
             return link
+
+    def _worker_events(self, link: WorkerLink, events: list[pb.Event]) -> None:
+        """Events a worker reported, in the cluster's device ids."""
+        for recorded in events:
+            global_ids = [self._global_ids.get((link.worker_id, d), -1) for d in recorded.device_ids]
+            recorded.device_ids[:] = [d for d in global_ids if d >= 0]
+            self.events(recorded)
 
     def worker_down(self, worker: pb.WorkerState) -> None:
         """The resource manager declared a worker dead: fail this session's stream to it now."""

@@ -8,6 +8,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from pathways_nb.events import EventLog
 from pathways_nb.proxy.deadlines import Deadlines
 from pathways_nb.runtime_api import ProgramInfo, Runtime
 
@@ -70,6 +71,7 @@ class ProxyContext:
         # that no session stream ever waits for a device.
         self.wait_pool = ThreadPoolExecutor(self.limits.wait_threads, thread_name_prefix="pathways-wait")
         self.compile_cache = CompileCache(self.limits.compile_cache_entries)
+        self.events = EventLog()
 
     def close(self) -> None:
         self.runtime.close()

@@ -14,6 +14,9 @@ from pathways_nb.rpc import cluster_pb2_grpc
 
 SERVICE_NAME = "pathways_nb.v1.Observe"
 
+# How often event watchers look for new events: live views stay live, and cost little.
+WATCH_INTERVAL_S = 0.2
+
 
 class ObserveService(cluster_pb2_grpc.ObserveServicer):
     def __init__(self, context: ProxyContext, service: IfrtProxyService):
@@ -24,6 +27,17 @@ class ObserveService(cluster_pb2_grpc.ObserveServicer):
         if not request.tenant:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "name the tenant whose sessions to end")
         return pb.EndSessionsResponse(ended=self.service.end_tenant(request.tenant))
+
+    async def WatchEvents(self, request, context):
+        """Events after ``request.after``, then new ones, polled a few times a second."""
+        after = request.after
+        log = self.context.events
+        while True:
+            if log.sequence > after:
+                events, after = log.after(after, request.tenant)
+                if events:
+                    yield pb.EventBatch(events=events)
+            await asyncio.sleep(WATCH_INTERVAL_S)
 
     async def GetClusterState(self, request, context):
         try:

@@ -13,12 +13,14 @@ import ctypes
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
 from pathways_nb import session_options
 from pathways_nb.dataflow import ArrayRecord, Pending, run_after
+from pathways_nb.events import event
 from pathways_nb.protocol import schema
 from pathways_nb.protocol.errors import (
     FailedPrecondition,
@@ -59,6 +61,7 @@ class Session:
         self._devices: DeviceSession | None = None
         # What the client sent as ClientConnectionOptions.initialization_data.
         self.init_attributes = init_attributes or {}
+        self.events = context.events.sink(self.tenant)
         self.messages = schema.load()
         self.host_buffers = HostBuffers(context.deadlines, context.limits.host_buffer_timeout_s)
         self.arrays: dict[int, ArrayRecord] = {}
@@ -74,7 +77,11 @@ class Session:
 
     def open_devices(self) -> DeviceSession:
         """Gets this session's devices (blocks while the cluster has no capacity)."""
-        devices = self.context.runtime.open_session(self.session_id, self.init_attributes)
+        started = time.time()
+        devices = self.context.runtime.open_session(self.session_id, self.init_attributes, self.events)
+        waited = time.time() - started
+        if waited > 0.05:
+            self.events(event("wait", "waiting for devices", devices.device_ids, started, started + waited))
         with self.lock:
             if self.closed:
                 devices.release()

@@ -13,6 +13,8 @@ import collections
 import itertools
 import logging
 import threading
+import time
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import grpc
@@ -35,13 +37,18 @@ class WorkerLost(Unavailable):
 class WorkerLink:
     """One session's ordered command stream to one worker."""
 
-    def __init__(self, worker: pb.Device, session_key: str):
+    def __init__(
+        self, worker: pb.Device, session_key: str, on_events: Callable[[WorkerLink, list], None] | None = None
+    ):
         self.worker_id = worker.worker_id
         self.address = worker.worker_address
         self.island = worker.island
         self.host_index = worker.host_index
         self.incarnation = worker.incarnation
         self.session_key = session_key
+        self._on_events = on_events
+        # The worker's clock minus ours, as low as seen (network delay only makes it look larger).
+        self.clock_offset = float("inf")
         self._cond = threading.Condition()
         self._pending: list[pb.Command] = []
         self._forgotten: collections.deque[int] = collections.deque()
@@ -122,8 +129,15 @@ class WorkerLink:
     def _read(self) -> None:
         try:
             for batch in self._call:
+                if batch.clock:
+                    self.clock_offset = min(self.clock_offset, time.time() - batch.clock)
                 for reply in batch.replies:
                     self._deliver(reply)
+                if batch.events and self._on_events is not None:
+                    for recorded in batch.events:
+                        recorded.start += self.clock_offset
+                        recorded.end += self.clock_offset
+                    self._on_events(self, list(batch.events))
             if not self._closed:
                 self._lost("the worker ended the session")
         except grpc.RpcError as error:

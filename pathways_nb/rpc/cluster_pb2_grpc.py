@@ -280,9 +280,7 @@ class ResourceManager:
 
 
 class ObserveStub:
-    """--------------------------------------------------------------- observe --
-
-    Served by the proxy, next to the IFRT proxy service: what notebooks show.
+    """Served by the proxy, next to the IFRT proxy service: what notebooks show.
     """
 
     def __init__(self, channel):
@@ -301,12 +299,15 @@ class ObserveStub:
                 request_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.EndSessionsRequest.SerializeToString,
                 response_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.EndSessionsResponse.FromString,
                 _registered_method=True)
+        self.WatchEvents = channel.unary_stream(
+                '/pathways_nb.v1.Observe/WatchEvents',
+                request_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.WatchEventsRequest.SerializeToString,
+                response_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.EventBatch.FromString,
+                _registered_method=True)
 
 
 class ObserveServicer:
-    """--------------------------------------------------------------- observe --
-
-    Served by the proxy, next to the IFRT proxy service: what notebooks show.
+    """Served by the proxy, next to the IFRT proxy service: what notebooks show.
     """
 
     def GetClusterState(self, request, context):
@@ -318,6 +319,13 @@ class ObserveServicer:
     def EndSessions(self, request, context):
         """Ends a tenant's sessions now (pathways_nb.disconnect), freeing their arrays and devices
         even while the client process still holds arrays that keep its IFRT client alive.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchEvents(self, request, context):
+        """Recorded events (after a sequence number), then new ones as they happen.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -336,6 +344,11 @@ def add_ObserveServicer_to_server(servicer, server):
                     request_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.EndSessionsRequest.FromString,
                     response_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.EndSessionsResponse.SerializeToString,
             ),
+            'WatchEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchEvents,
+                    request_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.WatchEventsRequest.FromString,
+                    response_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.EventBatch.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'pathways_nb.v1.Observe', rpc_method_handlers)
@@ -345,9 +358,7 @@ def add_ObserveServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Observe:
-    """--------------------------------------------------------------- observe --
-
-    Served by the proxy, next to the IFRT proxy service: what notebooks show.
+    """Served by the proxy, next to the IFRT proxy service: what notebooks show.
     """
 
     @staticmethod
@@ -394,6 +405,33 @@ class Observe:
             '/pathways_nb.v1.Observe/EndSessions',
             pathways__nb_dot_rpc_dot_cluster__pb2.EndSessionsRequest.SerializeToString,
             pathways__nb_dot_rpc_dot_cluster__pb2.EndSessionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pathways_nb.v1.Observe/WatchEvents',
+            pathways__nb_dot_rpc_dot_cluster__pb2.WatchEventsRequest.SerializeToString,
+            pathways__nb_dot_rpc_dot_cluster__pb2.EventBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -15,11 +15,13 @@ import functools
 import logging
 import os
 import socket
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from pathways_nb.events import EventSink, ExecutionTimer
 from pathways_nb.protocol import schema
 from pathways_nb.protocol.errors import FailedPrecondition, InvalidRequest, NotFound, ResourceExhausted
 from pathways_nb.protocol.shardings import IfrtSharding
@@ -64,19 +66,17 @@ class LocalRuntime:
         self.devices = sorted(jax.local_devices(), key=lambda d: d.id)
         self.client = self.devices[0].client
         self._by_id = {d.id: d for d in self.devices}
+        self.timer = ExecutionTimer()
 
     # -- sessions --------------------------------------------------------------------------
 
-    def open_session(self, session_id: int, attributes: dict) -> LocalRuntime:
+    def open_session(self, session_id: int, attributes: dict, events: EventSink) -> LocalSession:
         """Every session of a single-process server shares all its devices."""
-        return self
+        return LocalSession(self, events)
 
     @property
     def device_ids(self) -> tuple[int, ...]:
         return tuple(d.id for d in self.devices)
-
-    def release(self) -> None:
-        """Nothing to give back: the session's arrays are deleted by the proxy."""
 
     def close(self) -> None:
         """Nothing to close: the devices go with the process."""
@@ -313,12 +313,16 @@ class LocalRuntime:
             fingerprint=fingerprint,
         )
 
-    def execute(self, program: Program, args: Sequence, keep: frozenset[int] = frozenset()) -> list:
+    def execute(
+        self, program: Program, args: Sequence, keep: frozenset[int] = frozenset(), timed: EventSink | None = None
+    ) -> list:
         """Starts ``program`` on ``args``; returns its results as arrays that fill in later.
 
         Arguments the program donates are consumed, except those in ``keep``,
-        which are copied first so the caller's array stays alive.
+        which are copied first so the caller's array stays alive. With
+        ``timed``, an ``execute`` event goes there once the results are ready.
         """
+        dispatched = time.time()
         check_arguments(
             program,
             [
@@ -332,13 +336,45 @@ class LocalRuntime:
         results = _device_errors(program.executable.execute_sharded, args)
         if any(handler is None for handler in program.result_handlers):
             raise InvalidRequest("programs that return tokens are not supported by this server")
-        return results.consume_with_handlers(list(program.result_handlers))
+        outputs = results.consume_with_handlers(list(program.result_handlers))
+        if timed is not None:
+            self.timer.watch(program.name, program.device_ids, outputs, dispatched, timed)
+        return outputs
 
     def cost_analysis(self, program: ProgramInfo) -> dict[str, float]:
         return {key: float(value) for key, value in program.executable.cost_analysis().items()}
 
     def program_text(self, program: ProgramInfo) -> str:
         return "\n\n".join(module.to_string() for module in program.executable.hlo_modules())
+
+
+class LocalSession:
+    """One session's view of a ``LocalRuntime``: all its devices, its own event sink."""
+
+    def __init__(self, runtime: LocalRuntime, events: EventSink):
+        self.runtime = runtime
+        self.events = events
+        self.platform = runtime.platform
+        self.platform_version = runtime.platform_version
+        self.device_ids = runtime.device_ids
+        self.describe_devices = runtime.describe_devices
+        self.default_layout = runtime.default_layout
+        self.check_sharding = runtime.check_sharding
+        self.put = runtime.put
+        self.put_shards = runtime.put_shards
+        self.assemble = runtime.assemble
+        self.disassemble = runtime.disassemble
+        self.copy = runtime.copy
+        self.compile = runtime.compile
+        self.to_host = runtime.to_host
+        self.cost_analysis = runtime.cost_analysis
+        self.program_text = runtime.program_text
+
+    def execute(self, program: Program, args: Sequence, keep: frozenset[int] = frozenset()) -> list:
+        return self.runtime.execute(program, args, keep, timed=self.events)
+
+    def release(self) -> None:
+        """Nothing to give back: the proxy deletes the session's arrays."""
 
 
 def _sharding_of(array) -> IfrtSharding:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -38,13 +39,21 @@ class _Replies:
         self._loop_thread = threading.get_ident()
         self._lock = threading.Lock()
         self._items: list[pb.Reply] = []
+        self._events: list[pb.Event] = []
         self._ready = asyncio.Event()
         self._closed = False
 
     def put(self, reply: pb.Reply) -> None:
         with self._lock:
             self._items.append(reply)
-            first = len(self._items) == 1
+            first = len(self._items) + len(self._events) == 1
+        if first:
+            self._wake()
+
+    def put_event(self, recorded: pb.Event) -> None:
+        with self._lock:
+            self._events.append(recorded)
+            first = len(self._items) + len(self._events) == 1
         if first:
             self._wake()
 
@@ -64,8 +73,9 @@ class _Replies:
             self._ready.clear()
             with self._lock:
                 items, self._items = self._items, []
-            if items:
-                yield pb.ReplyBatch(replies=items)
+                events, self._events = self._events, []
+            if items or events:
+                yield pb.ReplyBatch(replies=items, events=events, clock=time.time())
             if self._closed:
                 return
 
@@ -97,7 +107,9 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first command batch must name its session")
         if key in self.sessions:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"session {key} is already open on this worker")
-        session = WorkerSession(key, self.runtime, self.programs, self.background, replies.put, self.push)
+        session = WorkerSession(
+            key, self.runtime, self.programs, self.background, replies.put, self.push, replies.put_event
+        )
         self.sessions[key] = session
         _LOGGER.info("session %s opened", key)
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from pathways_nb.dataflow import ArrayRecord, run_after
+from pathways_nb.events import EventSink, event
 from pathways_nb.protocol import dtypes
 from pathways_nb.protocol.errors import InvalidRequest, NotFound, RequestError, as_request_error
 from pathways_nb.rpc import cluster_pb2 as pb
@@ -49,6 +51,7 @@ class WorkerSession:
         background: Callable[[Callable[[], object], Callable[[object, RequestError | None], None]], None],
         reply: Callable[[pb.Reply], None],
         push: Callable[[str, pb.ArrayChunk, Callable[[], object]], None],
+        events: EventSink,
     ):
         self.key = key
         self.runtime = runtime
@@ -56,6 +59,7 @@ class WorkerSession:
         self._background = background
         self._reply = reply
         self._push = push
+        self._events = events
         self.lock = threading.RLock()
         self.arrays: dict[int, ArrayRecord] = {}
         self._uploads: dict[int, bytearray] = {}
@@ -163,7 +167,7 @@ class WorkerSession:
         keep = frozenset(command.keep)
 
         def run() -> None:
-            values = self.runtime.execute(program, [a.value for a in args], keep)
+            values = self.runtime.execute(program, [a.value for a in args], keep, timed=self._events)
             for record, value in zip(results, values, strict=True):
                 record.set(value)
 
@@ -242,12 +246,15 @@ class WorkerSession:
             return chunk
 
         def push():
+            started = time.time()
             try:
                 host = read()
             except Exception as error:  # noqa: BLE001 - the receiver's copy fails with it
                 self._push(command.peer_address, header(as_request_error(error)), lambda: None)
                 return
             self._push(command.peer_address, header(), lambda: host)
+            devices = sorted(d.id for d in source.value.devices())
+            self._events(event("transfer", f"to {command.peer_address}", devices, started, time.time(), host.nbytes))
 
         def on_error(error: RequestError) -> None:
             self._push(command.peer_address, header(error), lambda: None)

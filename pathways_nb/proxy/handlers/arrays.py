@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 
 from pathways_nb.dataflow import ArrayRecord, Pending, when_all
+from pathways_nb.events import event
 from pathways_nb.protocol import dtypes, shardings
 from pathways_nb.protocol.errors import InvalidRequest, RequestError, Unimplemented
 from pathways_nb.protocol.shardings import IfrtSharding
@@ -52,6 +54,12 @@ def _strided_bytes(host: np.ndarray, byte_strides) -> memoryview:
     return memoryview(out)
 
 
+def _record_transfer(session, kind: str, name: str, sharding: IfrtSharding, started: float, nbytes: int) -> None:
+    """Host transfers worth seeing on a timeline (1 MiB and up)."""
+    if nbytes >= 1 << 20:
+        session.events(event(kind, name, sharding.device_ids, started, time.time(), nbytes))
+
+
 def _strides(request):
     return request.byte_strides.strides if request.HasField("byte_strides") else None
 
@@ -78,6 +86,7 @@ def make_array_from_host_buffer(session, request, op_id):
     handle = request.array_handle if request.HasField("array_handle") else session.server_handle()
     session.add_array(handle, record)
     upload = session.host_buffers.take(request.host_buffer_handle)
+    started = time.time()
 
     def arrived(data, error):
         with session.lock:
@@ -88,6 +97,7 @@ def make_array_from_host_buffer(session, request, op_id):
                 record.set(session.runtime.put(_host_array(data, dtype, shape, strides), sharding))
             except RequestError as failure:
                 record.fail(failure)
+            _record_transfer(session, "upload", f"{dtype}{list(shape)}", sharding, started, data.nbytes)
 
     upload.on_done(arrived)
     return session.messages.proxy.MakeArrayFromHostBufferResponse(array_handle=handle)
@@ -156,10 +166,16 @@ def copy_to_host_buffer(session, request, op_id):
     record = session.record(request.array_handle)
     strides = _strides(request)
 
+    started = time.time()
+
     def read():
         return _strided_bytes(session.runtime.to_host(record.value), strides)
 
     def stored(data, error):
+        if data is not None:
+            _record_transfer(
+                session, "download", f"array {request.array_handle}", record.sharding, started, data.nbytes
+            )
         if error is None:
             try:
                 session.host_buffers.store(request.host_buffer_handle, data)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from pathways_nb.dataflow import ArrayRecord, Pending
+from pathways_nb.events import event
 from pathways_nb.protocol import attributes, dtypes
 from pathways_nb.protocol.errors import InvalidRequest, Unimplemented
 from pathways_nb.proxy.context import CompileCache
@@ -69,7 +71,13 @@ def compile_program(session, request, op_id):
     def compile_now() -> ProgramInfo:
         program = cache.get(key)
         if program is None:
-            program = session.runtime.compile(program_bytes, options_bytes, device_ids)
+            started = time.time()
+            try:
+                program = session.runtime.compile(program_bytes, options_bytes, device_ids)
+            except Exception:
+                session.events(event("compile", "compile", device_ids, started, time.time(), failed=True))
+                raise
+            session.events(event("compile", program.name, device_ids, started, time.time()))
             cache.put(key, program)
         return program
 
