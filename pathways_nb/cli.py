@@ -100,6 +100,15 @@ def _up(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kernel_install(args: argparse.Namespace) -> int:
+    from pathways_nb.notebook.kernelspec import install
+
+    prefix = sys.prefix if args.sys_prefix else args.prefix
+    where = install(user=args.user, prefix=prefix, name=args.name)
+    print(f'installed the "Python 3 (Pathways)" kernel in {where}')
+    return 0
+
+
 def _serve(server, message: str, started: float, port_file: str | None) -> int:
     """Announces a started server, stops it on SIGINT/SIGTERM (or when its launcher dies), and waits."""
     from pathways_nb.processes import exit_with_parent
@@ -194,6 +203,16 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=29000, help="the proxy's port; 0 picks a free one")
     up.add_argument("--platform", default="cpu", help="the workers' platform")
     up.set_defaults(run=_up)
+
+    kernel = commands.add_parser("kernel", parents=[common], help="the Jupyter kernel")
+    kernel_commands = kernel.add_subparsers(dest="kernel_command", required=True)
+    install = kernel_commands.add_parser("install", parents=[common], help='install the "Python 3 (Pathways)" kernel')
+    where = install.add_mutually_exclusive_group()
+    where.add_argument("--user", action="store_true", help="for this user only")
+    where.add_argument("--sys-prefix", dest="sys_prefix", action="store_true", help="in this Python environment")
+    where.add_argument("--prefix", default=None, help="under this prefix")
+    install.add_argument("--name", default="pathways", help="the kernel's name")
+    install.set_defaults(run=_kernel_install)
     return parser
 
 

@@ -12,11 +12,16 @@ import logging
 import os
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from pathways_nb import jax_plugin
+import pandas as pd
+
+from pathways_nb import jax_plugin, tables
 from pathways_nb.errors import ConnectionFailed, PathwaysError
+from pathways_nb.observe import Observer, ObserveUnavailable
+from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.session_options import SessionOptions, default_tenant
+from pathways_nb.timeline import DeviceLabel, Timeline
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -38,18 +43,108 @@ def normalize_address(address: str) -> str:
     return address
 
 
-@dataclass
-class Connection:
-    """What this process is connected to: the address and the devices it was given."""
+class Session:
+    """A connection to a Pathways cluster: the devices it gave this process, and views of the cluster.
 
-    address: str
-    devices: list = field(repr=False)
-    platform: str = ""
-    runtime: str = ""
-    tenant: str = ""
+    ``state()``, ``device_table()``, ``islands()``, ``allocations()`` and
+    ``timeline()`` ask the server; ``repr`` and the notebook display use what
+    was last fetched.
+    """
+
+    def __init__(self, address: str, devices: list, platform: str, runtime: str, tenant: str):
+        self.address = address
+        self.devices = devices
+        self.platform = platform
+        self.runtime = runtime
+        self.tenant = tenant
+        # A LocalCluster started for this session (%pathways connect local): stopped with it.
+        self.local_cluster = None
+        self._observer: Observer | None = None
+        self._state: pb.ClusterState | None = None
+        self._note = ""
+
+    @property
+    def observer(self) -> Observer:
+        if self._observer is None:
+            self._observer = Observer(self.address)
+        return self._observer
+
+    def state(self) -> pb.ClusterState:
+        """The cluster now: devices, islands, health, allocations, queue, sessions, work under way."""
+        self._state = self.observer.state()
+        return self._state
+
+    def device_table(self) -> pd.DataFrame:
+        """One row per device of the cluster: island, host, kind, health, tenants holding it."""
+        try:
+            return tables.devices(self.state())
+        except ObserveUnavailable as error:
+            self._note = str(error)
+            return tables.devices_from_jax(self.devices)
+
+    def islands(self) -> pd.DataFrame:
+        """One row per island: hosts, devices, health."""
+        return tables.islands(self.device_table())
+
+    def allocations(self) -> pd.DataFrame:
+        """Who holds which devices, and who waits."""
+        return tables.allocations(self.state())
+
+    def device_labels(self) -> list[DeviceLabel]:
+        """This session's devices as timelines label them."""
+        devices = tables.devices(self._state or self.state())
+        mine = {d.id for d in self.devices}
+        return [DeviceLabel(int(r.id), r.name, int(r.island)) for r in devices.itertuples() if r.id in mine]
+
+    def timeline(self, last: int | None = None, step_program: str | None = None) -> Timeline:
+        """This session's compiles, executions, transfers and waits per device (the last ``last`` steps)."""
+        timeline = Timeline(self.observer.events(self.tenant), self.device_labels(), step_program)
+        return timeline.last(last) if last else timeline
+
+    def trace(self, path: str, last: int | None = None) -> str:
+        """Writes the timeline as Chrome-trace JSON (Perfetto, chrome://tracing); returns ``path``."""
+        return self.timeline(last).save_trace(path)
+
+    def disconnect(self) -> None:
+        if current() is self:
+            disconnect()
 
     def __repr__(self) -> str:
-        return f"<pathways_nb.Connection {self.address} devices={len(self.devices)} platform={self.platform}>"
+        return (
+            f"<pathways_nb.Session {self.address} tenant={self.tenant!r} devices={len(self.devices)} "
+            f"platform={self.platform}>"
+        )
+
+    def _repr_html_(self) -> str:
+        import jax
+
+        state = self._state
+        islands = sorted({getattr(d, "slice_index", 0) for d in self.devices})
+        held = tables.holders(state) if state is not None else {}
+        tenants = sorted({a.tenant for allocations in held.values() for a in allocations})
+        unhealthy = [w.worker_id for w in state.workers if not w.healthy] if state is not None else []
+        return _template("session.html.j2").render(
+            address=self.address,
+            tenant=self.tenant,
+            devices=len(self.devices),
+            platform=self.platform,
+            islands=len(islands),
+            jax_version=jax.__version__,
+            server=f"pathways-nb {state.proxy_version}" if state is not None and state.proxy_version else self.runtime,
+            tenants=", ".join(tenants),
+            unhealthy=", ".join(unhealthy),
+            local_cluster=repr(self.local_cluster) if self.local_cluster is not None else "",
+            note=self._note,
+        )
+
+
+def _template(name: str):
+    import jinja2
+
+    environment = jinja2.Environment(
+        loader=jinja2.PackageLoader("pathways_nb", "templates"), autoescape=jinja2.select_autoescape()
+    )
+    return environment.get_template(name)
 
 
 @dataclass
@@ -70,7 +165,7 @@ def connect(
     islands: Sequence[int] = (),
     tenant: str | None = None,
     progress: bool = True,
-) -> Connection:
+) -> Session:
     """Makes ``jax.devices()`` the devices of the cluster at ``address``.
 
     ``address`` defaults to the ``PATHWAYS_ADDRESS`` environment variable. By
@@ -111,10 +206,14 @@ def connect(
         raise ConnectionFailed(address, timeout_s, _reason(e)) from None
     jax.clear_caches()
     proxy = backend.get_backend(jax_plugin.PLATFORM)
-    connection = Connection(address, devices, proxy.platform, proxy.runtime_type, options.tenant)
-    _state["connection"] = connection
+    session = Session(address, devices, proxy.platform, proxy.runtime_type, options.tenant)
+    try:
+        session.state()
+    except PathwaysError as error:  # a server without the observe API (Pathways on Cloud)
+        session._note = str(error)
+    _state["connection"] = session
     _state["previous"] = previous
-    return connection
+    return session
 
 
 def _devices_showing_the_wait(address: str, options: SessionOptions, progress: bool) -> list:
@@ -154,16 +253,13 @@ def _devices_showing_the_wait(address: str, options: SessionOptions, progress: b
 
 def _queue_position(address: str, tenant: str) -> str | None:
     """Why this tenant waits, as the cluster's queue says (None if it does not wait)."""
-    import grpc
-
-    from pathways_nb.rpc import cluster_pb2 as pb
-    from pathways_nb.rpc import cluster_pb2_grpc
-
+    observer = Observer(address)
     try:
-        with grpc.insecure_channel(address.removeprefix("grpc://")) as channel:
-            state = cluster_pb2_grpc.ObserveStub(channel).GetClusterState(pb.ClusterStateRequest(), timeout=2)
-    except grpc.RpcError:
+        state = observer.state()
+    except PathwaysError:
         return None
+    finally:
+        observer.close()
     for queued in state.queue:
         if queued.tenant == tenant:
             return queued.waiting.reason
@@ -186,22 +282,18 @@ def disconnect() -> None:
     _end_sessions(connection)
 
 
-def _end_sessions(connection: Connection) -> None:
+def _end_sessions(session: Session) -> None:
     """Asks the proxy to end this tenant's sessions now: arrays still held here would keep them open."""
-    import grpc
-
-    from pathways_nb.rpc import cluster_pb2 as pb
-    from pathways_nb.rpc import cluster_pb2_grpc
-
     try:
-        with grpc.insecure_channel(connection.address.removeprefix("grpc://")) as channel:
-            request = pb.EndSessionsRequest(tenant=connection.tenant)
-            cluster_pb2_grpc.ObserveStub(channel).EndSessions(request, timeout=10)
-    except grpc.RpcError as error:
-        _LOGGER.warning("could not end the session at %s: %s", connection.address, error.details())
+        session.observer.end_sessions(session.tenant)
+    except PathwaysError as error:
+        _LOGGER.info("could not end the session at %s: %s", session.address, error)
+    session.observer.close()
+    if session.local_cluster is not None:
+        session.local_cluster.close()
 
 
-def current() -> Connection | None:
+def current() -> Session | None:
     """The active connection, or None."""
     return _state.get("connection")
 

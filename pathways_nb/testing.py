@@ -139,3 +139,51 @@ def python_process(code: str, *args: str, env: dict[str, str] | None = None) -> 
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+class KernelSession:
+    """A real Jupyter kernel driven through jupyter_client: run code, collect what it shows.
+
+    ``run()`` returns the cell's outputs: stream text, display data, errors,
+    and the state of every widget the cell opened (by model id).
+    """
+
+    def __init__(self, kernel_name: str = "pathways", env: dict[str, str] | None = None):
+        import jupyter_client
+
+        environment = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+        environment.update(env or {})
+        self.manager, self.client = jupyter_client.manager.start_new_kernel(kernel_name=kernel_name, env=environment)
+        self.widgets: dict[str, dict] = {}
+
+    def run(self, code: str, timeout_s: float = 180.0) -> dict:
+        message_id = self.client.execute(code)
+        result = {"stdout": "", "stderr": "", "data": [], "errors": [], "widgets": []}
+        while True:
+            message = self.client.get_iopub_msg(timeout=timeout_s)
+            content = message["content"]
+            kind = message["msg_type"]
+            if kind == "comm_open":
+                self.widgets[content["comm_id"]] = content["data"].get("state", {})
+            elif kind == "comm_msg" and content["data"].get("method") == "update":
+                self.widgets.setdefault(content["comm_id"], {}).update(content["data"].get("state", {}))
+            if message["parent_header"].get("msg_id") != message_id:
+                continue
+            if kind == "status" and content["execution_state"] == "idle":
+                return result
+            if kind == "stream":
+                result[content["name"]] += content["text"]
+            elif kind in ("display_data", "execute_result"):
+                result["data"].append(content["data"])
+                model = content["data"].get("application/vnd.jupyter.widget-view+json", {}).get("model_id")
+                if model:
+                    result["widgets"].append(model)
+            elif kind == "error":
+                result["errors"].append(f"{content['ename']}: {content['evalue']}")
+
+    def widget_state(self, model_id: str) -> dict:
+        return self.widgets.get(model_id, {})
+
+    def close(self) -> None:
+        self.client.stop_channels()
+        self.manager.shutdown_kernel(now=True)

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from pathways_nb.events import EventLog
+from pathways_nb.proxy.activities import Activities
 from pathways_nb.proxy.deadlines import Deadlines
 from pathways_nb.runtime_api import ProgramInfo, Runtime
 
@@ -72,6 +73,7 @@ class ProxyContext:
         self.wait_pool = ThreadPoolExecutor(self.limits.wait_threads, thread_name_prefix="pathways-wait")
         self.compile_cache = CompileCache(self.limits.compile_cache_entries)
         self.events = EventLog()
+        self.activities = Activities()
 
     def close(self) -> None:
         self.runtime.close()

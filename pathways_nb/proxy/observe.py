@@ -6,6 +6,7 @@ import asyncio
 
 import grpc
 
+from pathways_nb import __version__
 from pathways_nb.protocol.errors import RequestError
 from pathways_nb.proxy.context import ProxyContext
 from pathways_nb.proxy.service import IfrtProxyService
@@ -39,8 +40,24 @@ class ObserveService(cluster_pb2_grpc.ObserveServicer):
                     yield pb.EventBatch(events=events)
             await asyncio.sleep(WATCH_INTERVAL_S)
 
+    async def GetEvents(self, request, context):
+        events, _latest = self.context.events.after(request.after, request.tenant)
+        return pb.EventBatch(events=events)
+
     async def GetClusterState(self, request, context):
         try:
-            return await asyncio.to_thread(self.context.runtime.cluster_state)
+            state = await asyncio.to_thread(self.context.runtime.cluster_state)
         except RequestError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, e.message)
+        state.proxy_version = __version__
+        state.activities.extend(self.context.activities.snapshot())
+        for session in self.service.sessions():
+            state.sessions.add(
+                session_id=session.session_id,
+                tenant=session.tenant,
+                device_ids=session.device_ids if session.has_devices else (),
+                arrays=len(session.arrays),
+                programs=len(session.programs),
+                requests=session.requests_served,
+            )
+        return state

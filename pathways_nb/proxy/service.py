@@ -224,7 +224,10 @@ class IfrtProxyService:
         size = metadata.buffer_size
         if size < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"negative buffer size {size}")
-        data = await _receive(request_iterator, size, context)
+        with self.context.activities.track(
+            "upload", f"{size >> 20} MiB to the server", session.tenant, size
+        ) as progress:
+            data = await _receive(request_iterator, size, context, progress)
         try:
             session.host_buffers.store(metadata.handle, data)
         except RequestError as e:
@@ -241,8 +244,11 @@ class IfrtProxyService:
         if data.nbytes == 0:
             yield response_type()
             return
-        for start in range(0, data.nbytes, CHUNK_BYTES):
-            yield response_type(data=data[start : start + CHUNK_BYTES].tobytes())
+        name = f"{data.nbytes >> 20} MiB from the server"
+        with self.context.activities.track("download", name, session.tenant, data.nbytes) as progress:
+            for start in range(0, data.nbytes, CHUNK_BYTES):
+                yield response_type(data=data[start : start + CHUNK_BYTES].tobytes())
+                progress.bytes_done = min(start + CHUNK_BYTES, data.nbytes)
 
     async def HostBufferDelete(self, request, context):
         session = await self._session(request.session_id, context)
@@ -300,8 +306,8 @@ class IfrtProxyService:
         )
 
 
-async def _receive(request_iterator, size: int, context) -> memoryview:
-    """Joins upload chunks into one buffer of exactly ``size`` bytes."""
+async def _receive(request_iterator, size: int, context, progress) -> memoryview:
+    """Joins upload chunks into one buffer of exactly ``size`` bytes, counting them in ``progress``."""
     buffer = bytearray(size)
     offset = 0
     async for chunk in request_iterator:
@@ -313,6 +319,7 @@ async def _receive(request_iterator, size: int, context) -> memoryview:
             )
         buffer[offset:end] = data
         offset = end
+        progress.bytes_done = offset
     if offset != size:
         await context.abort(grpc.StatusCode.DATA_LOSS, f"host buffer upload ended after {offset} of {size} bytes")
     return memoryview(buffer)

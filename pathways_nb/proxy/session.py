@@ -78,7 +78,8 @@ class Session:
     def open_devices(self) -> DeviceSession:
         """Gets this session's devices (blocks while the cluster has no capacity)."""
         started = time.time()
-        devices = self.context.runtime.open_session(self.session_id, self.init_attributes, self.events)
+        with self.context.activities.track("wait", "waiting for devices", self.tenant):
+            devices = self.context.runtime.open_session(self.session_id, self.init_attributes, self.events)
         waited = time.time() - started
         if waited > 0.05:
             self.events(event("wait", "waiting for devices", devices.device_ids, started, started + waited))
@@ -98,6 +99,10 @@ class Session:
     @property
     def device_ids(self) -> tuple[int, ...]:
         return self.runtime.device_ids
+
+    @property
+    def has_devices(self) -> bool:
+        return self._devices is not None
 
     @property
     def tenant(self) -> str:

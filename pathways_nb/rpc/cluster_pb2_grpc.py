@@ -304,6 +304,11 @@ class ObserveStub:
                 request_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.WatchEventsRequest.SerializeToString,
                 response_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.EventBatch.FromString,
                 _registered_method=True)
+        self.GetEvents = channel.unary_unary(
+                '/pathways_nb.v1.Observe/GetEvents',
+                request_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.WatchEventsRequest.SerializeToString,
+                response_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.EventBatch.FromString,
+                _registered_method=True)
 
 
 class ObserveServicer:
@@ -331,6 +336,13 @@ class ObserveServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetEvents(self, request, context):
+        """The recorded events after a sequence number, now.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ObserveServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -346,6 +358,11 @@ def add_ObserveServicer_to_server(servicer, server):
             ),
             'WatchEvents': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchEvents,
+                    request_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.WatchEventsRequest.FromString,
+                    response_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.EventBatch.SerializeToString,
+            ),
+            'GetEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetEvents,
                     request_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.WatchEventsRequest.FromString,
                     response_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.EventBatch.SerializeToString,
             ),
@@ -430,6 +447,33 @@ class Observe:
             request,
             target,
             '/pathways_nb.v1.Observe/WatchEvents',
+            pathways__nb_dot_rpc_dot_cluster__pb2.WatchEventsRequest.SerializeToString,
+            pathways__nb_dot_rpc_dot_cluster__pb2.EventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pathways_nb.v1.Observe/GetEvents',
             pathways__nb_dot_rpc_dot_cluster__pb2.WatchEventsRequest.SerializeToString,
             pathways__nb_dot_rpc_dot_cluster__pb2.EventBatch.FromString,
             options,

@@ -73,7 +73,8 @@ def compile_program(session, request, op_id):
         if program is None:
             started = time.time()
             try:
-                program = session.runtime.compile(program_bytes, options_bytes, device_ids)
+                with session.context.activities.track("compile", "compiling", session.tenant):
+                    program = session.runtime.compile(program_bytes, options_bytes, device_ids)
             except Exception:
                 session.events(event("compile", "compile", device_ids, started, time.time(), failed=True))
                 raise

@@ -1,0 +1,190 @@
+"""The ``%pathways`` line magic: connect, look at the cluster, time the steps.
+
+    %pathways connect ADDRESS [--exclusive] [--devices N] [--only-islands 0,1] [--tenant T] [--timeout S]
+    %pathways connect local [--islands I] [--hosts-per-island H] [--devices-per-host D]
+    %pathways disconnect | status | devices | islands | allocations | help
+    %pathways timeline [--live] [--last N]
+    %pathways trace FILE [--last N]
+
+Each subcommand calls the public Python API (``pathways_nb.connect``,
+``Session.islands()``, ``Session.timeline()``, ...); misuse and failures
+raise ``UsageError`` with one line that says what to do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_magic, magics_class
+from IPython.display import display
+
+import pathways_nb
+from pathways_nb.errors import PathwaysError
+from pathways_nb.notebook.progress import ActivityMonitor
+
+NOT_CONNECTED = "not connected: run %pathways connect ADDRESS (or %pathways connect local)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports misuse as a one-line UsageError instead of exiting."""
+
+    def error(self, message: str):
+        raise UsageError(f"%pathways: {message} (see %pathways help)")
+
+    def exit(self, status: int = 0, message: str | None = None):
+        if message:
+            raise UsageError(message.strip())
+        raise UsageError("%pathways help")
+
+
+def _parser() -> _Parser:
+    parser = _Parser(prog="%pathways", add_help=False, description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", parser_class=_Parser)
+    connect = commands.add_parser("connect", add_help=False, help="connect to a cluster, or start one here")
+    connect.add_argument("address", help="grpc://host:port, host:port, or local")
+    connect.add_argument("--exclusive", action="store_true", help="nobody else may use your devices")
+    connect.add_argument("--devices", type=int, default=0, help="how many devices (default: all)")
+    connect.add_argument("--only-islands", default="", help="which islands, e.g. 0,1 (default: any)")
+    connect.add_argument("--tenant", default=None, help="your name in the allocation table")
+    connect.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the server and devices")
+    connect.add_argument("--islands", type=int, default=2, help="local: number of islands")
+    connect.add_argument("--hosts-per-island", type=int, default=1, help="local: hosts per island")
+    connect.add_argument("--devices-per-host", type=int, default=4, help="local: devices per host")
+    for name, text in [
+        ("disconnect", "back to this machine's devices"),
+        ("status", "the session and the cluster's health"),
+        ("devices", "the cluster's devices as a table"),
+        ("islands", "the island map"),
+        ("allocations", "who holds which devices"),
+        ("help", "this help"),
+    ]:
+        commands.add_parser(name, add_help=False, help=text)
+    timeline = commands.add_parser("timeline", add_help=False, help="the step timeline of this session")
+    timeline.add_argument("--live", action="store_true", help="keep it current while a loop runs")
+    timeline.add_argument("--last", type=int, default=None, help="only the last N steps")
+    trace = commands.add_parser("trace", add_help=False, help="write the timeline as a Chrome/Perfetto trace")
+    trace.add_argument("file")
+    trace.add_argument("--last", type=int, default=None, help="only the last N steps")
+    return parser
+
+
+@magics_class
+class PathwaysMagics(Magics):
+    def __init__(self, shell):
+        super().__init__(shell)
+        self.monitor = ActivityMonitor()
+        self.views: list = []
+
+    @line_magic
+    def pathways(self, line: str):
+        """Connect to a Pathways cluster and look at it; ``%pathways help`` lists the subcommands."""
+        args = _parser().parse_args(shlex.split(line))
+        command = args.command or "help"
+        try:
+            return getattr(self, f"_{command}")(args)
+        except PathwaysError as error:
+            raise UsageError(str(error)) from None
+
+    # -- subcommands -----------------------------------------------------------------------
+
+    def _help(self, args) -> None:
+        print(__doc__.split("\n\n")[1])
+
+    def _connect(self, args) -> None:
+        current = pathways_nb.current()
+        if current is not None:
+            raise UsageError(f"already connected to {current.address}: run %pathways disconnect first")
+        cluster = None
+        address = args.address
+        if address == "local":
+            from pathways_nb.cluster import LocalCluster
+
+            try:
+                cluster = LocalCluster(
+                    islands=args.islands,
+                    hosts_per_island=args.hosts_per_island,
+                    devices_per_host=args.devices_per_host,
+                )
+            except ValueError as error:
+                raise UsageError(f"%pathways connect local: {error}") from None
+            address = cluster.address
+        try:
+            session = pathways_nb.connect(
+                address,
+                timeout_s=args.timeout,
+                exclusive=args.exclusive,
+                num_devices=args.devices,
+                islands=[int(i) for i in args.only_islands.split(",") if i.strip()],
+                tenant=args.tenant,
+            )
+        except (PathwaysError, ValueError) as error:
+            if cluster is not None:
+                cluster.close()
+            raise UsageError(str(error)) from None
+        session.local_cluster = cluster
+        self.monitor.watch(session)
+        display(session)
+
+    def _session(self) -> pathways_nb.Session:
+        session = pathways_nb.current()
+        if session is None:
+            raise UsageError(NOT_CONNECTED)
+        return session
+
+    def _disconnect(self, args) -> None:
+        session = pathways_nb.current()
+        if session is None:
+            print("not connected")
+            return
+        for view in self.views:
+            view_stop = getattr(view, "stop", None)
+            if view_stop is not None:
+                view_stop()
+        self.views.clear()
+        self.monitor.watch(None)
+        pathways_nb.disconnect()
+        print(f"disconnected from {session.address}; JAX uses this machine's devices again")
+
+    def _status(self, args) -> None:
+        session = self._session()
+        session.device_table()  # fetches the state the summary shows
+        display(session)
+
+    def _devices(self, args) -> None:
+        display(self._session().device_table())
+
+    def _islands(self, args) -> None:
+        from pathways_nb.notebook.widgets import IslandMap
+
+        display(IslandMap(self._session()))
+
+    def _allocations(self, args) -> None:
+        from pathways_nb.notebook.widgets import AllocationTable
+
+        display(AllocationTable(self._session()))
+
+    def _timeline(self, args) -> None:
+        from pathways_nb.notebook.widgets import TimelineView
+
+        view = TimelineView(self._session(), last=args.last, live=args.live)
+        if args.live:
+            self.views.append(view)
+        display(view)
+
+    def _trace(self, args) -> None:
+        timeline = self._session().timeline(last=args.last)
+        path = timeline.save_trace(args.file)
+        print(
+            f"wrote {len(timeline.events)} events on {len(timeline.devices)} device tracks to {path} "
+            "(open it in https://ui.perfetto.dev or chrome://tracing)"
+        )
+
+
+def load(ipython) -> None:
+    """Registers the magics and the progress bars (``%load_ext pathways_nb``)."""
+    magics = PathwaysMagics(ipython)
+    ipython.register_magics(magics)
+    ipython.events.register("pre_run_cell", magics.monitor.cell_started)
+    ipython.events.register("post_run_cell", magics.monitor.cell_finished)

@@ -1,0 +1,75 @@
+"""Reading a cluster's state and events from its proxy (the ``pathways_nb.v1.Observe`` service).
+
+A cluster that is not a pathways-nb cluster (Google's Pathways on Cloud, say)
+does not offer the service; ``ObserveUnavailable`` says so, and callers fall
+back to what ``jax.devices()`` tells.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import grpc
+
+from pathways_nb.errors import PathwaysError
+from pathways_nb.rpc import cluster_pb2 as pb
+from pathways_nb.rpc import cluster_pb2_grpc
+
+
+class ObserveUnavailable(PathwaysError):
+    """The server does not offer the pathways-nb observe API."""
+
+
+class Observer:
+    """The observe service at a proxy's address."""
+
+    def __init__(self, address: str):
+        self.address = address
+        self._channel = grpc.insecure_channel(address.removeprefix("grpc://"))
+        self._stub = cluster_pb2_grpc.ObserveStub(self._channel)
+
+    def _call(self, method, request, timeout_s: float = 10.0):
+        try:
+            return method(request, timeout=timeout_s)
+        except grpc.RpcError as error:
+            if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+                raise ObserveUnavailable(
+                    f"{self.address} does not offer the pathways-nb observe API (it is not a pathways-nb "
+                    "cluster, e.g. Pathways on Cloud): devices and islands come from jax.devices(); "
+                    "allocations and timelines are unavailable"
+                ) from None
+            raise PathwaysError(f"the server at {self.address} did not answer: {error.details()}") from None
+
+    def state(self) -> pb.ClusterState:
+        """Devices, islands, health, allocations, queue, sessions and what is under way."""
+        return self._call(self._stub.GetClusterState, pb.ClusterStateRequest())
+
+    def events(self, tenant: str = "", after: int = 0) -> list[pb.Event]:
+        """The recorded events (of ``tenant``, if given) after sequence number ``after``."""
+        return list(self._call(self._stub.GetEvents, pb.WatchEventsRequest(tenant=tenant, after=after)).events)
+
+    def follow(
+        self, tenant: str, after: int, on_events: Callable[[list[pb.Event]], None], stop: threading.Event
+    ) -> threading.Thread:
+        """Calls ``on_events`` with new events as they come, on a background thread, until ``stop`` is set."""
+
+        def run() -> None:
+            stream = self._stub.WatchEvents(pb.WatchEventsRequest(tenant=tenant, after=after))
+            stopper = threading.Thread(target=lambda: (stop.wait(), stream.cancel()), daemon=True)
+            stopper.start()
+            try:
+                for batch in stream:
+                    on_events(list(batch.events))
+            except grpc.RpcError:
+                pass  # cancelled, or the server went away
+
+        thread = threading.Thread(target=run, name="pathways-follow-events", daemon=True)
+        thread.start()
+        return thread
+
+    def end_sessions(self, tenant: str) -> int:
+        return self._call(self._stub.EndSessions, pb.EndSessionsRequest(tenant=tenant)).ended
+
+    def close(self) -> None:
+        self._channel.close()

@@ -1,0 +1,179 @@
+"""The Pathways kernel and the %pathways magics, in real Jupyter kernels."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+
+from pathways_nb.notebook import kernelspec
+from pathways_nb.testing import KernelSession
+
+
+@pytest.fixture(scope="session")
+def kernel_installed(tmp_path_factory):
+    """The Pathways kernel installed under a temporary prefix that Jupyter searches."""
+    prefix = tmp_path_factory.mktemp("jupyter-prefix")
+    kernelspec.install(prefix=str(prefix))
+    previous = os.environ.get("JUPYTER_PATH")
+    os.environ["JUPYTER_PATH"] = os.pathsep.join(filter(None, [str(prefix / "share" / "jupyter"), previous]))
+    yield prefix
+    if previous is None:
+        os.environ.pop("JUPYTER_PATH")
+    else:
+        os.environ["JUPYTER_PATH"] = previous
+
+
+@pytest.fixture(scope="module")
+def kernel(kernel_installed):
+    session = KernelSession("pathways")
+    yield session
+    session.close()
+
+
+def test_the_kernelspec_names_the_pathways_kernel(kernel_installed):
+    spec = json.loads((kernel_installed / "share/jupyter/kernels/pathways/kernel.json").read_text())
+    assert spec["display_name"] == "Python 3 (Pathways)"
+    assert spec["argv"][1:3] == ["-m", "pathways_nb.notebook.kernel"]
+    assert os.path.exists(spec["argv"][0])
+    assert (kernel_installed / "share/jupyter/kernels/pathways/logo-64x64.png").exists()
+
+
+def test_first_output_says_how_to_connect(kernel):
+    out = kernel.run("1 + 1")
+    assert "not connected. Run %pathways connect ADDRESS" in out["stdout"]
+    assert out["data"][-1]["text/plain"] == "2"
+    assert "not connected" not in kernel.run("2 + 2")["stdout"]
+
+
+def test_magics_need_a_connection(kernel):
+    out = kernel.run("%pathways islands")
+    assert "not connected: run %pathways connect ADDRESS" in out["stderr"] + out["stdout"]
+    assert len((out["stderr"] + out["stdout"]).strip().splitlines()) == 1
+
+
+def test_help_and_misuse(kernel):
+    assert "%pathways connect ADDRESS" in kernel.run("%pathways help")["stdout"]
+    out = kernel.run("%pathways bogus")
+    assert "invalid choice: 'bogus'" in out["stderr"] + out["stdout"]
+
+
+def test_connect_to_nothing_fails_in_one_line(kernel):
+    out = kernel.run("%pathways connect grpc://127.0.0.1:1 --timeout 2")
+    text = (out["stderr"] + out["stdout"]).strip()
+    assert "could not connect to a Pathways proxy at grpc://127.0.0.1:1" in text
+    assert "pathways-nb up" in text
+
+
+def test_connect_run_and_look(kernel, cluster):
+    out = kernel.run(f"%pathways connect {cluster.address} --tenant notebook-test")
+    assert not out["errors"], out
+    assert cluster.address in out["data"][-1]["text/html"]
+    assert "notebook-test" in out["data"][-1]["text/html"]
+
+    out = kernel.run(
+        "import jax, jax.numpy as jnp, numpy as np\n"
+        "step = jax.jit(lambda w, x: w - 0.1 * jax.grad(lambda w: jnp.mean((x @ w) ** 2))(w))\n"
+        "ws = [jax.device_put(np.ones((32, 8), np.float32), d) for d in (jax.devices()[0], jax.devices()[5])]\n"
+        "x0, x5 = (jax.device_put(np.ones((16, 32), np.float32), d) for d in (jax.devices()[0], jax.devices()[5]))\n"
+        "for _ in range(8):\n"
+        "    ws = [step(ws[0], x0), step(ws[1], x5)]\n"
+        "print(len(jax.devices()), float(ws[0].sum()), float(ws[1].sum()))"
+    )
+    assert not out["errors"], out
+    count, first, second = out["stdout"].split()
+    assert count == "8" and first == second
+
+    out = kernel.run("%pathways devices")
+    table = out["data"][-1]["text/plain"]
+    assert "cpu:7" in table and "notebook-test" in table
+
+    out = kernel.run("%pathways islands")
+    (model,) = out["widgets"]
+    html = kernel.widget_state(model)["value"]
+    assert len(re.findall(r'class="pw-device[^"]*" data-device="\d+"', html)) == 8
+    assert html.count('class="pw-island') >= 2 and "notebook-test" in html
+
+    out = kernel.run("%pathways allocations")
+    (model,) = out["widgets"]
+    assert "notebook-test" in kernel.widget_state(model)["value"]
+
+    out = kernel.run("%pathways timeline --last 5")
+    (model,) = out["widgets"]
+    svg = kernel.widget_state(model)["value"]
+    bars = re.findall(r'class="pw-bar pw-execute" data-device="(\d+)"', svg)
+    assert {"0", "5"} <= set(bars)
+    assert "pw-step" in svg
+
+
+def test_trace_file_is_chrome_trace_json_with_a_track_per_device(kernel, tmp_path):
+    path = tmp_path / "trace.json"
+    out = kernel.run(f"%pathways trace {path}")
+    assert "device tracks" in out["stdout"], out
+    trace = json.loads(path.read_text())
+    tracks = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
+    assert tracks == {i: f"cpu:{i}" for i in range(8)}
+    bars = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["tid"] for e in bars if e["cat"] == "execute"} >= {0, 5}
+    assert all(e["dur"] >= 0 and e["ts"] > 0 for e in bars)
+
+
+def test_live_timeline_follows_a_running_loop(kernel):
+    out = kernel.run("%pathways timeline --live --last 3")
+    (model,) = out["widgets"]
+    before = kernel.widget_state(model)["value"]
+    kernel.run(
+        "for _ in range(20):\n    ws = [step(ws[0], x0), step(ws[1], x5)]\njax.block_until_ready(ws)\nimport time; time.sleep(1.5)"
+    )
+    after = kernel.widget_state(model)["value"]
+    assert after != before and "pw-bar" in after
+
+
+def test_already_connected_then_disconnect_and_reconnect(kernel, cluster):
+    out = kernel.run(f"%pathways connect {cluster.address}")
+    assert "already connected" in out["stderr"] + out["stdout"]
+    assert "disconnected from" in kernel.run("%pathways disconnect")["stdout"]
+    out = kernel.run("import jax; print(jax.devices()[0].client.runtime_type)")
+    assert "proxy" not in out["stdout"]
+    out = kernel.run(f"%pathways connect {cluster.address}")
+    assert not out["errors"]
+    assert kernel.run("print(len(jax.devices()))")["stdout"].strip() == "8"
+    kernel.run("%pathways disconnect")
+
+
+def test_connect_local_starts_and_stops_a_cluster(kernel):
+    out = kernel.run("%pathways connect local --islands 1 --devices-per-host 2")
+    assert not out["errors"], out
+    assert "LocalCluster running" in out["data"][-1]["text/html"]
+    pids = kernel.run(
+        "import pathways_nb\nprint(*[c.process.pid for c in pathways_nb.current().local_cluster.processes()])"
+    )["stdout"].split()
+    assert len(pids) == 3
+    kernel.run("%pathways disconnect")
+    import psutil
+
+    assert not any(psutil.pid_exists(int(pid)) and psutil.Process(int(pid)).status() != "zombie" for pid in pids)
+
+
+def test_kernel_connects_at_start_with_pathways_address(kernel_installed, proxy_server):
+    session = KernelSession("pathways", env={"PATHWAYS_ADDRESS": proxy_server.address})
+    try:
+        out = session.run("import jax; print(len(jax.devices()), jax.devices()[0].client.runtime_type)")
+        assert f"connected to {proxy_server.address} (4 devices)" in out["stdout"]
+        assert "4 proxy/pathways-nb" in out["stdout"]
+    finally:
+        session.close()
+
+
+def test_load_ext_in_a_plain_ipython_kernel(proxy_server):
+    session = KernelSession("python3")
+    try:
+        out = session.run(f"%load_ext pathways_nb\n%pathways connect {proxy_server.address}")
+        assert not out["errors"], out
+        assert proxy_server.address in out["data"][-1]["text/html"]
+        out = session.run("%pathways devices")
+        assert "cpu:3" in out["data"][-1]["text/plain"]
+    finally:
+        session.close()
