@@ -125,7 +125,8 @@ def test_live_timeline_follows_a_running_loop(kernel):
     (model,) = out["widgets"]
     before = kernel.widget_state(model)["value"]
     kernel.run(
-        "for _ in range(20):\n    ws = [step(ws[0], x0), step(ws[1], x5)]\njax.block_until_ready(ws)\nimport time; time.sleep(1.5)"
+        "for _ in range(20):\n    ws = [step(ws[0], x0), step(ws[1], x5)]\n"
+        "jax.block_until_ready(ws)\nimport time; time.sleep(1.5)"
     )
     after = kernel.widget_state(model)["value"]
     assert after != before and "pw-bar" in after
