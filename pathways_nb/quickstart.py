@@ -1,58 +1,72 @@
-"""The quickstart: start a local cluster, run ordinary JAX on it, compare with local JAX.
+"""The quickstart: runs notebooks/quickstart.ipynb in the Pathways kernel and prints what it shows.
 
 ``python -m pathways_nb.quickstart`` (``make quickstart``) needs no cloud
-account: a cluster of two islands of 4 CPU devices each runs on this machine.
+account: the notebook starts a cluster of two islands of 4 CPU devices on this
+machine (``%pathways connect local``), trains on one island, pipelines across
+both, and shows the island map and the step timeline. The executed notebook
+is saved next to a temporary copy, for opening in JupyterLab.
 """
 
 from __future__ import annotations
 
-import time
+import argparse
+import pathlib
+import sys
+import tempfile
 
-import numpy as np
+NOTEBOOK = pathlib.Path(__file__).resolve().parent.parent / "notebooks" / "quickstart.ipynb"
 
 
-def main() -> int:
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
+def _print_outputs(cell) -> None:
+    for output in cell.get("outputs", []):
+        if output["output_type"] == "stream":
+            print(output["text"], end="")
+        elif output["output_type"] in ("execute_result", "display_data"):
+            data = output["data"]
+            if "application/vnd.jupyter.widget-view+json" in data:
+                print("[widget]")
+            else:
+                print(data.get("text/plain", ""))
+        elif output["output_type"] == "error":
+            print(f"{output['ename']}: {output['evalue']}")
 
-    import pathways_nb
-    from pathways_nb.cluster import LocalCluster
 
-    with LocalCluster(islands=2, devices_per_host=4) as cluster:
-        print(f"cluster: {cluster} (started in {cluster.startup_s:.1f} s)")
-        connection = pathways_nb.connect(cluster.address)
-        print(f"connected: {connection}")
-        print(f"jax.devices(): {jax.devices()}")
-        island0 = [d for d in jax.devices() if d.slice_index == 0]
-        island1 = [d for d in jax.devices() if d.slice_index == 1]
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Run the pathways-nb quickstart notebook.")
+    parser.add_argument("--notebook", default=str(NOTEBOOK), help="the notebook to run")
+    parser.add_argument("--output", default=None, help="where to save the executed notebook")
+    args = parser.parse_args(argv)
 
-        mesh = Mesh(np.array(island0).reshape(2, 2), ("data", "model"))
-        x = jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8), NamedSharding(mesh, P("data", "model")))
-        print(f"a sharded array: shape {x.shape}, {len(x.addressable_shards)} shards on {x.sharding}")
+    import nbformat
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
 
-        @jax.jit
-        def step(w, x):
-            loss = lambda w: jnp.mean(jnp.tanh(x @ w) ** 2)  # noqa: E731
-            return w - 0.1 * jax.grad(loss)(w), loss(w)
+    from pathways_nb.notebook.kernelspec import install
 
-        w = jax.device_put(np.full((8, 4), 0.05, np.float32), NamedSharding(mesh, P("model")))
-        t = time.perf_counter()
-        for _ in range(20):
-            w, loss = step(w, x)
-        print(f"20 training steps on the server: loss {float(loss):.4f} ({time.perf_counter() - t:.2f} s)")
+    with tempfile.TemporaryDirectory(prefix="pathways-kernel-") as prefix:
+        install(prefix=prefix)
+        import os
 
-        with jax.default_device(jax.devices("cpu")[0]):
-            w_local = np.full((8, 4), 0.05, np.float32)
-            for _ in range(20):
-                w_local, loss_local = step(w_local, np.asarray(x))
-        difference = float(np.max(np.abs(np.asarray(w) - np.asarray(w_local))))
-        print(f"the same steps on local JAX: loss {float(loss_local):.4f}; largest weight difference {difference:.1e}")
-
-        moved = jax.device_put(w, NamedSharding(Mesh(np.array(island1).reshape(2, 2), ("data", "model")), P("model")))
-        print(f"weights moved to island 1 (worker to worker): {sorted(d.id for d in moved.devices())}")
-        pathways_nb.disconnect()
+        os.environ["JUPYTER_PATH"] = os.pathsep.join(
+            filter(None, [os.path.join(prefix, "share", "jupyter"), os.environ.get("JUPYTER_PATH")])
+        )
+        notebook = nbformat.read(args.notebook, as_version=4)
+        client = NotebookClient(notebook, timeout=600, kernel_name="pathways")
+        failed = None
+        try:
+            client.execute()
+        except CellExecutionError as error:
+            failed = error
+    for cell in notebook.cells:
+        if cell.cell_type == "code":
+            print(f">>> {cell.source.splitlines()[0]}")
+            _print_outputs(cell)
+    output = args.output or os.path.join(tempfile.gettempdir(), "pathways-quickstart.executed.ipynb")
+    nbformat.write(notebook, output)
+    print(f"\nthe executed notebook: {output}")
+    if failed is not None:
+        print(f"the quickstart failed: {failed}", file=sys.stderr)
+        return 1
     return 0
 
 

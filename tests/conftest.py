@@ -10,6 +10,7 @@ results are compared. On the cluster the 4 devices are island 1's (global ids
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import jax
@@ -19,6 +20,7 @@ import pytest
 import pathways_nb
 from pathways_nb import testing
 from pathways_nb.cluster import LocalCluster
+from pathways_nb.notebook import kernelspec
 
 jax.config.update("jax_num_cpu_devices", 4)
 
@@ -27,6 +29,20 @@ jax.config.update("jax_num_cpu_devices", 4)
 def proxy_server():
     with testing.proxy_process(4, "--host_buffer_timeout", "5") as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def kernel_installed(tmp_path_factory):
+    """The Pathways kernel installed under a temporary prefix that Jupyter searches."""
+    prefix = tmp_path_factory.mktemp("jupyter-prefix")
+    kernelspec.install(prefix=str(prefix))
+    previous = os.environ.get("JUPYTER_PATH")
+    os.environ["JUPYTER_PATH"] = os.pathsep.join(filter(None, [str(prefix / "share" / "jupyter"), previous]))
+    yield prefix
+    if previous is None:
+        os.environ.pop("JUPYTER_PATH")
+    else:
+        os.environ["JUPYTER_PATH"] = previous
 
 
 @pytest.fixture(scope="session")

@@ -8,22 +8,7 @@ import re
 
 import pytest
 
-from pathways_nb.notebook import kernelspec
 from pathways_nb.testing import KernelSession
-
-
-@pytest.fixture(scope="session")
-def kernel_installed(tmp_path_factory):
-    """The Pathways kernel installed under a temporary prefix that Jupyter searches."""
-    prefix = tmp_path_factory.mktemp("jupyter-prefix")
-    kernelspec.install(prefix=str(prefix))
-    previous = os.environ.get("JUPYTER_PATH")
-    os.environ["JUPYTER_PATH"] = os.pathsep.join(filter(None, [str(prefix / "share" / "jupyter"), previous]))
-    yield prefix
-    if previous is None:
-        os.environ.pop("JUPYTER_PATH")
-    else:
-        os.environ["JUPYTER_PATH"] = previous
 
 
 @pytest.fixture(scope="module")

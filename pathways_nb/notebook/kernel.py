@@ -42,8 +42,11 @@ class PathwaysKernel(IPythonKernel):
         self._first_cell_message = message
         self.shell.events.register("pre_run_cell", self._say_once)
 
-    def _say_once(self, *_args) -> None:
+    def _say_once(self, info=None) -> None:
+        """Prints the connection status before the first cell, unless that cell is about connecting."""
         self.shell.events.unregister("pre_run_cell", self._say_once)
+        if self._first_cell_message == HINT and "%pathways" in getattr(info, "raw_cell", ""):
+            return
         print(self._first_cell_message)
 
 
