@@ -1,6 +1,6 @@
 # Two entry points, each doing its own set-up on a fresh machine:
-#   make quickstart   start a local Pathways server and run the quickstart against it
-#   make test         run the test suite (installs what it needs, including an older JAX client)
+#   make quickstart   run the quickstart notebook on a local cluster (no cloud account)
+#   make test         run the test suite (installs what it needs: packages, an older JAX client, Chromium)
 
 PYTHON ?= python3
 VENV := .venv
@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 OLD_CLIENT_VENV := .venv-jax072
 OLD_CLIENT_JAX := 0.7.2
 
-.PHONY: quickstart test lint install clean
+.PHONY: quickstart test lint install chromium clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,7 +28,11 @@ lint: install
 	$(BIN)/ruff check pathways_nb tests benchmarks
 	$(BIN)/ruff format --check pathways_nb tests benchmarks
 
-test: install $(OLD_CLIENT_VENV)/bin/python
+# The browser tests drive Debian's Chromium (Playwright's own browser download is not used).
+chromium:
+	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
+
+test: install chromium $(OLD_CLIENT_VENV)/bin/python
 	PATHWAYS_OLD_CLIENT_PYTHON=$(abspath $(OLD_CLIENT_VENV))/bin/python $(BIN)/python -m pytest -q
 
 clean:

@@ -92,7 +92,7 @@ class Session:
 
     def device_labels(self) -> list[DeviceLabel]:
         """This session's devices as timelines label them."""
-        devices = tables.devices(self._state or self.state())
+        devices = tables.devices(self.state())
         mine = {d.id for d in self.devices}
         return [DeviceLabel(int(r.id), r.name, int(r.island)) for r in devices.itertuples() if r.id in mine]
 

@@ -1,8 +1,9 @@
 """The examples in docs/ run, in order, page by page, against a real server.
 
 Each page's ```python blocks run in one fresh Python process (so a page reads
-top to bottom like a session); ```python skip blocks are illustrations only.
-The documented address grpc://127.0.0.1:29000 is replaced by the test server's.
+top to bottom like a session); its ```ipython blocks run, in order, in a
+fresh Pathways kernel; ```python skip blocks are illustrations only. The
+documented address grpc://127.0.0.1:29000 is replaced by the test server's.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 BLOCK = re.compile(r"^```python\s*\n(.*?)^```", re.MULTILINE | re.DOTALL)
+IPYTHON_BLOCK = re.compile(r"^```ipython\s*\n(.*?)^```", re.MULTILINE | re.DOTALL)
 DOCUMENTED_ADDRESS = "grpc://127.0.0.1:29000"
 
 
@@ -32,3 +34,21 @@ def test_examples_run(page, proxy_server, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
     result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, f"{page.name} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+
+
+def _pages_with_ipython() -> list[pathlib.Path]:
+    return sorted(page for page in DOCS.glob("*.md") if IPYTHON_BLOCK.search(page.read_text()))
+
+
+@pytest.mark.parametrize("page", _pages_with_ipython(), ids=lambda p: p.name)
+def test_ipython_examples_run(page, kernel_installed):
+    from pathways_nb.testing import KernelSession
+
+    kernel = KernelSession("pathways")
+    try:
+        for block in IPYTHON_BLOCK.findall(page.read_text()):
+            out = kernel.run(block)
+            problems = out["errors"] + [line for line in out["stderr"].splitlines() if "Error" in line]
+            assert not problems, f"{page.name}: {block!r} failed: {problems}"
+    finally:
+        kernel.close()

@@ -1,0 +1,152 @@
+"""What a person sees: JupyterLab in Chromium runs a notebook on the Pathways kernel.
+
+The notebook connects, runs a jitted loop on two islands, and shows the
+island map and the live timeline; the test checks the rendered widgets (one
+element per device, timeline bars for each device) and saves screenshots to
+test-artifacts/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import nbformat
+import pytest
+
+ARTIFACTS = pathlib.Path(__file__).resolve().parent.parent / "test-artifacts"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def lab(kernel_installed, tmp_path_factory):
+    root = tmp_path_factory.mktemp("lab")
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    log = open(root / "jupyterlab.log", "w")
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jupyterlab",
+            "--no-browser",
+            f"--port={port}",
+            "--ServerApp.ip=127.0.0.1",
+            "--IdentityProvider.token=",
+            "--ServerApp.password=",
+            f"--ServerApp.root_dir={root}",
+            "--ServerApp.allow_root=True",
+            "--LabApp.expose_app_in_browser=True",
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/api/status", timeout=2)
+            break
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("JupyterLab did not start") from None
+            time.sleep(0.5)
+    yield url, root
+    process.terminate()
+    process.wait(30)
+    log.close()
+    ARTIFACTS.mkdir(exist_ok=True)
+    shutil.copy(root / "jupyterlab.log", ARTIFACTS / "jupyterlab.log")
+
+
+def _notebook(address: str) -> nbformat.NotebookNode:
+    notebook = nbformat.v4.new_notebook()
+    notebook.metadata["kernelspec"] = {"name": "pathways", "display_name": "Python 3 (Pathways)", "language": "python"}
+    notebook.cells = [
+        nbformat.v4.new_code_cell(f"%pathways connect {address} --tenant browser-test"),
+        nbformat.v4.new_code_cell(
+            "import jax, jax.numpy as jnp, numpy as np\n"
+            "step = jax.jit(lambda x: jnp.tanh(x @ x.T) / 4)\n"
+            "xs = [jax.device_put(np.full((64, 64), 0.1, np.float32), d) for d in jax.devices()]\n"
+            "for _ in range(5):\n"
+            "    xs = [step(x) for x in xs]\n"
+            "print('loop done', float(xs[0][0, 0]))"
+        ),
+        nbformat.v4.new_code_cell("%pathways islands"),
+        nbformat.v4.new_code_cell("%pathways timeline --live"),
+        nbformat.v4.new_code_cell(
+            "for _ in range(10):\n    xs = [step(x) for x in xs]\njax.block_until_ready(xs); print('more done')"
+        ),
+    ]
+    return notebook
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (make test installs it)")
+def test_notebook_in_jupyterlab_shows_the_widgets(lab, cluster):
+    from playwright.sync_api import sync_playwright
+
+    url, root = lab
+    specs = json.loads(urllib.request.urlopen(f"{url}/api/kernelspecs", timeout=30).read())
+    assert "pathways" in specs["kernelspecs"], specs
+    nbformat.write(_notebook(cluster.address), root / "pathways.ipynb")
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=CHROMIUM,
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update"],
+        )
+        page = browser.new_page(viewport={"width": 1400, "height": 1100})
+        try:
+            _run_and_check(page, url)
+        except Exception:
+            page.screenshot(path=str(ARTIFACTS / "failure.png"), full_page=True)
+            raise
+        finally:
+            browser.close()
+
+
+def _run_and_check(page, url: str) -> None:
+    """Opens the notebook, runs every cell, and checks the rendered widgets."""
+    page.goto(f"{url}/lab/tree/pathways.ipynb")
+    page.wait_for_selector(".jp-Notebook", timeout=60_000)
+    # Run only once the notebook's own kernel is up: running earlier makes JupyterLab ask for a kernel.
+    page.wait_for_function(
+        """() => {
+            const panel = window.jupyterapp && window.jupyterapp.shell.currentWidget;
+            const kernel = panel && panel.sessionContext && panel.sessionContext.session
+                && panel.sessionContext.session.kernel;
+            return kernel && kernel.name === 'pathways' && kernel.connectionStatus === 'connected'
+                && kernel.status === 'idle';
+        }""",
+        timeout=120_000,
+    )
+    # Start the run without awaiting it (the command's promise lasts until every cell has run).
+    page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+    page.wait_for_selector("text=more done", timeout=150_000)
+    devices = page.locator(".pw-island-map .pw-device")
+    devices.first.wait_for(timeout=60_000)
+    assert devices.count() == 8
+    page.locator(".pw-island-map").screenshot(path=str(ARTIFACTS / "island-map.png"))
+    bars = page.locator("svg.pw-timeline rect.pw-bar")
+    page.wait_for_function(
+        "() => new Set([...document.querySelectorAll('svg.pw-timeline rect.pw-execute')]"
+        ".map(r => r.dataset.device)).size === 8",
+        timeout=60_000,
+    )
+    assert bars.count() > 8
+    page.locator("svg.pw-timeline").screenshot(path=str(ARTIFACTS / "timeline.png"))
+    page.screenshot(path=str(ARTIFACTS / "notebook.png"), full_page=True)
