@@ -82,3 +82,14 @@ def test_shardings_round_trip_and_refuse_what_they_cannot_hold():
     proto.serialized_sharding.data = b"\xff\xff\xff"
     with pytest.raises(InvalidRequest, match="malformed"):
         shardings.from_proto(proto)
+
+
+def test_data_messages_match_protobuf():
+    from pathways_nb.protocol import data_messages
+
+    messages = schema.load()
+    for payload in [b"", b"x", bytes(range(256)) * 300]:
+        encoded = data_messages.encode(payload)
+        assert messages.proxy.GrpcHostBufferLookupResponse.FromString(encoded).data == payload
+        standard = messages.proxy.GrpcHostBufferStoreRequest(data=payload).SerializeToString()
+        assert bytes(data_messages.decode(standard)) == payload

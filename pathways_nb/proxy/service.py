@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from pathways_nb.protocol import attributes, schema
+from pathways_nb.protocol import attributes, data_messages, schema
 from pathways_nb.protocol.errors import RequestError
 from pathways_nb.proxy import (
     handlers,  # noqa: F401 - importing registers the request handlers
@@ -240,14 +240,13 @@ class IfrtProxyService:
             data = session.host_buffers.read(request.handle)
         except RequestError as e:
             await context.abort(_GRPC_CODES.get(e.code, grpc.StatusCode.INTERNAL), e.message)
-        response_type = self.messages.proxy.GrpcHostBufferLookupResponse
         if data.nbytes == 0:
-            yield response_type()
+            yield b""
             return
         name = f"{data.nbytes >> 20} MiB from the server"
         with self.context.activities.track("download", name, session.tenant, data.nbytes) as progress:
             for start in range(0, data.nbytes, CHUNK_BYTES):
-                yield response_type(data=data[start : start + CHUNK_BYTES].tobytes())
+                yield data_messages.encode(data[start : start + CHUNK_BYTES])
                 progress.bytes_done = min(start + CHUNK_BYTES, data.nbytes)
 
     async def HostBufferDelete(self, request, context):
@@ -286,13 +285,14 @@ class IfrtProxyService:
                 "IfrtSession": grpc.stream_stream_rpc_method_handler(
                     self.IfrtSession, response_serializer=proxy.IfrtResponse.SerializeToString
                 ),
+                # The data messages are read and written as raw bytes (see protocol.data_messages).
                 "HostBufferStore": grpc.stream_unary_rpc_method_handler(
                     self.HostBufferStore,
-                    **codec(proxy.GrpcHostBufferStoreRequest, proxy.GrpcHostBufferStoreResponse),
+                    response_serializer=proxy.GrpcHostBufferStoreResponse.SerializeToString,
                 ),
                 "HostBufferLookup": grpc.unary_stream_rpc_method_handler(
                     self.HostBufferLookup,
-                    **codec(proxy.GrpcHostBufferLookupRequest, proxy.GrpcHostBufferLookupResponse),
+                    request_deserializer=proxy.GrpcHostBufferLookupRequest.FromString,
                 ),
                 "HostBufferDelete": grpc.unary_unary_rpc_method_handler(
                     self.HostBufferDelete,
@@ -310,9 +310,9 @@ async def _receive(request_iterator, size: int, context, progress) -> memoryview
     """Joins upload chunks into one buffer of exactly ``size`` bytes, counting them in ``progress``."""
     buffer = bytearray(size)
     offset = 0
-    async for chunk in request_iterator:
-        data = chunk.data
-        end = offset + len(data)
+    async for raw in request_iterator:
+        data = data_messages.decode(raw)
+        end = offset + data.nbytes
         if end > size:
             await context.abort(
                 grpc.StatusCode.DATA_LOSS, f"host buffer upload is larger than its declared {size} bytes"
