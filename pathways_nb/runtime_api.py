@@ -105,6 +105,20 @@ def check_arguments(program: ProgramInfo, args: Sequence[ArgumentFacts]) -> None
             )
 
 
+def check_assemble_parts(sharding: IfrtSharding, part_device_ids: Sequence[Sequence[int]]) -> None:
+    """Refuses parts that are not one single-device array per device of ``sharding``, in its order."""
+    if len(part_device_ids) != len(sharding.device_ids):
+        raise InvalidRequest(
+            f"{len(part_device_ids)} single-device arrays given for a sharding over {len(sharding.device_ids)} devices"
+        )
+    for devices, device_id in zip(part_device_ids, sharding.device_ids, strict=True):
+        if tuple(devices) != (device_id,):
+            raise InvalidRequest(
+                f"shard for device {device_id} lives on {list(devices)}; "
+                "assemble shards in the order of the sharding's devices"
+            )
+
+
 class DeviceValue(Protocol):
     """A value on devices: ``jax.Array`` locally, a remote reference in a cluster."""
 

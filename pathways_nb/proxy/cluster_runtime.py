@@ -44,7 +44,7 @@ from pathways_nb.proxy.worker_link import WorkerLink, WorkerLost
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
 from pathways_nb.rpc.convert import array_meta, program_from_proto
-from pathways_nb.runtime_api import DeviceDescription, ProgramInfo
+from pathways_nb.runtime_api import DeviceDescription, ProgramInfo, check_assemble_parts
 from pathways_nb.session_options import SessionOptions
 
 _LOGGER = logging.getLogger(__name__)
@@ -400,16 +400,7 @@ class ClusterSession:
         return self.assemble(shape, sharding, singles)
 
     def assemble(self, shape: tuple[int, ...], sharding: IfrtSharding, singles: Sequence):
-        if len(singles) != len(sharding.device_ids):
-            raise InvalidRequest(
-                f"{len(singles)} single-device arrays given for a sharding over {len(sharding.device_ids)} devices"
-            )
-        for single, device_id in zip(singles, sharding.device_ids, strict=True):
-            if single.sharding.device_ids != (device_id,):
-                raise InvalidRequest(
-                    f"shard for device {device_id} lives on {list(single.sharding.device_ids)}; "
-                    "assemble shards in the order of the sharding's devices"
-                )
+        check_assemble_parts(sharding, [single.sharding.device_ids for single in singles])
         links = {id(single.link) for single in singles}
         if len(links) > 1:
             return ShardedRemoteArray(singles, shape, sharding)

@@ -26,7 +26,7 @@ from pathways_nb.protocol import schema
 from pathways_nb.protocol.errors import FailedPrecondition, InvalidRequest, NotFound, ResourceExhausted
 from pathways_nb.protocol.shardings import IfrtSharding
 from pathways_nb.rpc.convert import output_shardings as output_shardings_of
-from pathways_nb.runtime_api import ArgumentFacts, DeviceDescription, ProgramInfo, check_arguments
+from pathways_nb.runtime_api import ArgumentFacts, DeviceDescription, ProgramInfo, check_arguments, check_assemble_parts
 from pathways_nb.worker import signature as program_signature
 
 _LOGGER = logging.getLogger(__name__)
@@ -227,18 +227,8 @@ class LocalRuntime:
         """One array from single-device arrays, one per device of ``sharding`` (in its order)."""
         import jax
 
-        if len(singles) != len(sharding.device_ids):
-            raise InvalidRequest(
-                f"{len(singles)} single-device arrays given for a sharding over {len(sharding.device_ids)} devices"
-            )
+        check_assemble_parts(sharding, [[device.id for device in single.devices()] for single in singles])
         target = self.jax_sharding(sharding)
-        for single, device_id in zip(singles, sharding.device_ids, strict=True):
-            (device,) = single.devices()
-            if device.id != device_id:
-                raise InvalidRequest(
-                    f"shard for device {device_id} lives on device {device.id}; "
-                    "assemble shards in the order of the sharding's devices"
-                )
         expected = target.shard_shape(shape)
         for single in singles:
             if single.shape != expected:
