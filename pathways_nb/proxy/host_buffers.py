@@ -81,11 +81,6 @@ class HostBuffers:
         for pending in waiting.values():
             pending.fail(Unavailable(reason))
 
-    @property
-    def stored_bytes(self) -> int:
-        with self._lock:
-            return sum(view.nbytes for view in self._stored.values())
-
     def _expire(self, handle: int, pending: Pending) -> None:
         with self._lock:
             if self._waiting.get(handle) is not pending:
