@@ -205,6 +205,21 @@ def test_malformed_messages_to_resource_manager_and_worker(island_cluster):
     assert _finish(python_process(CLIENT, island_cluster.address, "after-bad-messages")).split()[0] == "4"
 
 
+def test_malformed_messages_to_observe_api(island_cluster):
+    with grpc.insecure_channel(island_cluster.address.removeprefix("grpc://")) as channel:
+        garbage = channel.unary_unary("/pathways_nb.v1.Observe/GetEvents")
+        with pytest.raises(grpc.RpcError) as error:
+            garbage(b"\xff\xfe not a protobuf", timeout=10)
+        assert "Error parsing message with type 'pathways_nb.v1.WatchEventsRequest'" in error.value.details()
+        stub = cluster_pb2_grpc.ObserveStub(channel)
+        with pytest.raises(grpc.RpcError) as error:
+            stub.EndSessions(pb.EndSessionsRequest(), timeout=10)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "name the tenant" in error.value.details()
+        assert len(stub.GetEvents(pb.WatchEventsRequest(after=2**63), timeout=10).events) == 0
+        assert len(stub.GetClusterState(pb.ClusterStateRequest(), timeout=10).workers) == 2
+
+
 def _children_of(pid: int) -> list[psutil.Process]:
     try:
         return psutil.Process(pid).children(recursive=True)
