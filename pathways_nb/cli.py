@@ -63,7 +63,7 @@ def _serve_worker(args: argparse.Namespace) -> int:
         host_index=args.host_index,
         port=args.server_port,
         host=args.host,
-        advertise_host=args.advertise_host,
+        advertise_address=args.advertise_address,
     )
     message = (
         f"pathways-nb worker {server.registration.worker_id} at {server.address} with "
@@ -188,7 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--resource_manager_address", required=True, help="HOST:PORT of the resource manager")
     worker.add_argument("--server_port", type=int, default=29005, help="port to listen on; 0 picks a free one")
     worker.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    worker.add_argument("--advertise_host", default=None, help="address others reach this worker at (default --host)")
+    worker.add_argument(
+        "--advertise_address", default=None, help="host name or IP others reach this worker at (default --host)"
+    )
     worker.add_argument("--island", type=int, default=0, help="the island (slice) this host belongs to")
     worker.add_argument("--host_index", type=int, default=0, help="this host's index within its island")
     worker.add_argument("--devices", type=int, default=None, help="number of CPU devices to create (CPU only)")

@@ -35,7 +35,7 @@ class WorkerServer:
         host_index: int = 0,
         port: int = 0,
         host: str = "127.0.0.1",
-        advertise_host: str | None = None,
+        advertise_address: str | None = None,
         register_timeout_s: float = 60.0,
     ):
         self.runtime = runtime
@@ -48,7 +48,7 @@ class WorkerServer:
             host,
         )
         self.port = self._server.port
-        self.advertised = f"{advertise_host or host}:{self.port}"
+        self.advertised = f"{advertise_address or host}:{self.port}"
         self._rm = cluster_pb2_grpc.ResourceManagerStub(grpc.insecure_channel(resource_manager_address))
         self._stopped = threading.Event()
         self.registration = self._register(register_timeout_s)
