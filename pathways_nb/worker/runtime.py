@@ -27,6 +27,7 @@ from pathways_nb.protocol.errors import FailedPrecondition, InvalidRequest, NotF
 from pathways_nb.protocol.shardings import IfrtSharding
 from pathways_nb.rpc.convert import output_shardings as output_shardings_of
 from pathways_nb.runtime_api import ArgumentFacts, DeviceDescription, ProgramInfo, check_arguments, check_assemble_parts
+from pathways_nb.worker import jaxlib_kernels
 from pathways_nb.worker import signature as program_signature
 
 _LOGGER = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class LocalRuntime:
         configure_jax(platform, num_devices)
         import jax
 
+        jaxlib_kernels.prepare()
         self.devices = sorted(jax.local_devices(), key=lambda d: d.id)
         self.client = self.devices[0].client
         self._by_id = {d.id: d for d in self.devices}
