@@ -10,10 +10,15 @@ serialized ``OpSharding`` (``None`` when every device holds the whole array).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+
+from google.protobuf.message import DecodeError
 
 from pathways_nb.protocol import schema
 from pathways_nb.protocol.errors import InvalidRequest, Unimplemented
+from pathways_nb.protocol.op_sharding import Tiling, check_no_unknown_fields
+from pathways_nb.protocol.op_sharding import read as read_op_sharding
 
 SINGLE_DEVICE = "xla::ifrt::SingleDeviceSharding"
 HLO = "xla::ifrt::HloSharding"
@@ -47,36 +52,17 @@ class IfrtSharding:
 
     def shard_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """Shape of each shard of an array of ``shape`` (XLA pads uneven shards to this size)."""
-        if self.op_sharding is None:
-            return tuple(shape)
-        partitions = self._partitions(len(shape))
-        return tuple(-(-dim // parts) for dim, parts in zip(shape, partitions, strict=True))
+        return self.tiling().shard_shape(tuple(shape))
 
     def shard_indices(self, shape: tuple[int, ...]) -> tuple[tuple[slice, ...], ...]:
         """The region of an array of ``shape`` each device holds, in the order of ``device_ids``."""
+        return self.tiling().shard_indices(tuple(shape))
+
+    def tiling(self) -> Tiling:
+        """The layout of the shards, read and checked in pure Python (never by XLA); raises if malformed."""
         if self.op_sharding is None:
-            return tuple((slice(None),) * len(shape) for _ in self.device_ids)
-        from jax._src import op_shardings
-        from jax._src.lib import xla_client as xc
-
-        self._partitions(len(shape))
-        op = xc.OpSharding()
-        op.ParseFromString(self.op_sharding)
-        try:
-            return op_shardings.op_sharding_to_indices(xc.HloSharding.from_proto(op), shape, len(self.device_ids))
-        except AssertionError as e:
-            raise InvalidRequest(f"shape {list(shape)} cannot be split evenly by this sharding") from e
-
-    def _partitions(self, rank: int) -> list[int]:
-        from jax._src import op_shardings
-        from jax._src.lib import xla_client as xc
-
-        op = xc.OpSharding()
-        op.ParseFromString(self.op_sharding)
-        partitions, _ = op_shardings.get_num_ways_dim_sharded(xc.HloSharding.from_proto(op))
-        if len(partitions) != rank:
-            raise InvalidRequest(f"a sharding over {len(partitions)} dimensions was given for a rank-{rank} array")
-        return partitions
+            return Tiling(len(self.device_ids))
+        return read_op_sharding(self.op_sharding, len(self.device_ids))
 
     def to_proto(self):
         """This sharding as an ``xla.ifrt.ShardingProto`` the stock client reads."""
@@ -101,42 +87,55 @@ class IfrtSharding:
 
 
 def from_proto(proto) -> IfrtSharding:
-    """Decodes a ``ShardingProto``; unknown or malformed ones raise a clear error."""
-    messages = schema.load()
+    """Decodes a ``ShardingProto``; unknown or malformed ones raise a clear error.
+
+    Everything is checked here in pure Python (never by XLA, which aborts the
+    process on some malformed input): the device list is not empty, and an
+    ``OpSharding`` fits it.
+    """
     type_name = proto.serialized_sharding.type_name
-    data = proto.serialized_sharding.data
-    try:
-        if type_name == SINGLE_DEVICE:
-            body = messages.ifrt.SingleDeviceShardingProto.FromString(data)
-            return IfrtSharding((body.device_id,), _memory_kind(body))
-        if type_name == HLO:
-            body = messages.ifrt.HloShardingProto.FromString(data)
-            devices = tuple(body.devices.device_ids)
-            if not devices:
-                raise InvalidRequest("an HloSharding with no devices")
-            op = body.xla_op_sharding
-            replicated = op.type == _REPLICATED_OP_SHARDING_TYPE or len(devices) == 1
-            return IfrtSharding(devices, _memory_kind(body), None if replicated else op.SerializeToString())
-        if type_name == CONCRETE_EVEN:
-            body = messages.ifrt.ConcreteEvenShardingProto.FromString(data)
-            devices = tuple(body.devices.device_ids)
-            if body.is_fully_replicated or len(devices) == 1:
-                return IfrtSharding(devices, _memory_kind(body))
-        if type_name == OPAQUE:
-            body = messages.ifrt.OpaqueShardingProto.FromString(data)
-            devices = tuple(body.devices.device_ids)
-            if len(devices) == 1:
-                return IfrtSharding(devices, _memory_kind(body))
-    except InvalidRequest:
-        raise
-    except Exception as e:
-        raise InvalidRequest(f"malformed {type_name or 'sharding'}: {e}") from e
     if not type_name:
         raise InvalidRequest("the request carries no sharding")
+    body_class = _body_classes().get(type_name)
+    if body_class is None:
+        raise Unimplemented(
+            f"sharding type {type_name} is not supported by this server; "
+            "use a NamedSharding, PositionalSharding or SingleDeviceSharding"
+        )
+    try:
+        body = body_class.FromString(proto.serialized_sharding.data)
+    except DecodeError as e:
+        raise InvalidRequest(f"malformed {type_name}: {e}") from e
+    check_no_unknown_fields(body, type_name)
+    if type_name == SINGLE_DEVICE:
+        return IfrtSharding((body.device_id,), _memory_kind(body))
+    check_no_unknown_fields(body.devices, f"{type_name}'s device list")
+    devices = tuple(body.devices.device_ids)
+    if not devices:
+        raise InvalidRequest(f"a {type_name} with no devices; list the devices the array lives on")
+    if type_name == HLO:
+        serialized = body.xla_op_sharding.SerializeToString()
+        replicated = read_op_sharding(serialized, len(devices)).is_fully_replicated
+        return IfrtSharding(devices, _memory_kind(body), None if replicated else serialized)
+    if type_name == CONCRETE_EVEN and (body.is_fully_replicated or len(devices) == 1):
+        return IfrtSharding(devices, _memory_kind(body))
+    if type_name == OPAQUE and len(devices) == 1:
+        return IfrtSharding(devices, _memory_kind(body))
     raise Unimplemented(
-        f"sharding type {type_name} is not supported by this server; "
+        f"a {type_name} over {len(devices)} devices that is not fully replicated is not supported by this server; "
         "use a NamedSharding, PositionalSharding or SingleDeviceSharding"
     )
+
+
+@functools.cache
+def _body_classes() -> dict[str, type]:
+    ifrt = schema.load().ifrt
+    return {
+        SINGLE_DEVICE: ifrt.SingleDeviceShardingProto,
+        HLO: ifrt.HloShardingProto,
+        CONCRETE_EVEN: ifrt.ConcreteEvenShardingProto,
+        OPAQUE: ifrt.OpaqueShardingProto,
+    }
 
 
 def _memory_kind(body) -> str | None:

@@ -13,12 +13,13 @@ import asyncio
 import itertools
 import logging
 import threading
+import mmap
 from collections.abc import AsyncIterator
 
 import grpc
 
 from pathways_nb.protocol import attributes, data_messages, schema
-from pathways_nb.protocol.errors import RequestError
+from pathways_nb.protocol.errors import RequestError, ResourceExhausted
 from pathways_nb.proxy import (
     handlers,  # noqa: F401 - importing registers the request handlers
     versions,
@@ -224,12 +225,23 @@ class IfrtProxyService:
         size = metadata.buffer_size
         if size < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"negative buffer size {size}")
-        with self.context.activities.track(
-            "upload", f"{size >> 20} MiB to the server", session.tenant, size
-        ) as progress:
-            data = await _receive(request_iterator, size, context, progress)
         try:
-            session.host_buffers.store(metadata.handle, data)
+            # Counted before a byte is allocated: a declared size over the quota is refused at once.
+            reserved = session.host_buffers.reserve(size, f"the upload of host buffer {metadata.handle}")
+        except RequestError as e:
+            await context.abort(_GRPC_CODES.get(e.code, grpc.StatusCode.INTERNAL), e.message)
+        try:
+            with self.context.activities.track(
+                "upload", f"{size >> 20} MiB to the server", session.tenant, size
+            ) as progress:
+                data = await _receive(request_iterator, size, progress)
+        except BaseException as e:
+            session.host_buffers.release(reserved)
+            if isinstance(e, RequestError):
+                await context.abort(_GRPC_CODES.get(e.code, grpc.StatusCode.INTERNAL), e.message)
+            raise
+        try:
+            session.host_buffers.store(metadata.handle, data, reserved)
         except RequestError as e:
             await context.abort(_GRPC_CODES.get(e.code, grpc.StatusCode.INTERNAL), e.message)
         return self.messages.proxy.GrpcHostBufferStoreResponse()
@@ -306,20 +318,46 @@ class IfrtProxyService:
         )
 
 
-async def _receive(request_iterator, size: int, context, progress) -> memoryview:
-    """Joins upload chunks into one buffer of exactly ``size`` bytes, counting them in ``progress``."""
-    buffer = bytearray(size)
+def _data_loss(message: str) -> RequestError:
+    error = RequestError(message)
+    error.code = grpc.StatusCode.DATA_LOSS.value[0]
+    return error
+
+
+async def _receive(request_iterator, size: int, progress) -> memoryview:
+    """Writes upload chunks into one buffer as they arrive; exactly ``size`` bytes, else DATA_LOSS.
+
+    The buffer is an anonymous mapping of ``size`` bytes: the OS commits its
+    pages only as they are written, so a client that declares more than it
+    sends costs what it sent, and a failed upload is unmapped at once.
+    """
+    if size == 0:
+        buffer = bytearray()
+    else:
+        try:
+            buffer = mmap.mmap(-1, size)
+        except (OSError, OverflowError, ValueError) as e:
+            raise ResourceExhausted(f"cannot map {size} bytes for a host buffer upload: {e}") from e
     offset = 0
-    async for raw in request_iterator:
-        data = data_messages.decode(raw)
-        end = offset + data.nbytes
-        if end > size:
-            await context.abort(
-                grpc.StatusCode.DATA_LOSS, f"host buffer upload is larger than its declared {size} bytes"
-            )
-        buffer[offset:end] = data
-        offset = end
-        progress.bytes_done = offset
-    if offset != size:
-        await context.abort(grpc.StatusCode.DATA_LOSS, f"host buffer upload ended after {offset} of {size} bytes")
+    try:
+        async for raw in request_iterator:
+            try:
+                data = data_messages.decode(raw)
+            except Exception as e:  # protobuf decode errors
+                raise _data_loss(f"malformed host buffer chunk ({len(raw)} bytes) after {offset} bytes") from e
+            end = offset + data.nbytes
+            if end > size:
+                raise _data_loss(
+                    f"host buffer upload is larger than its declared {size} bytes (at least {end} arrived); "
+                    "the client must declare the size it sends"
+                )
+            buffer[offset:end] = data
+            offset = end
+            progress.bytes_done = offset
+        if offset != size:
+            raise _data_loss(f"host buffer upload ended after {offset} of {size} bytes; the upload was cut short")
+    except BaseException:
+        if isinstance(buffer, mmap.mmap):
+            buffer.close()
+        raise
     return memoryview(buffer)

@@ -32,7 +32,7 @@ from pathways_nb.protocol.errors import (
     as_request_error,
 )
 from pathways_nb.proxy import dispatch
-from pathways_nb.proxy.context import ProxyContext
+from pathways_nb.proxy.context import ProxyContext, Quota
 from pathways_nb.proxy.host_buffers import HostBuffers
 from pathways_nb.proxy.versions import Negotiated
 from pathways_nb.runtime_api import DeviceSession
@@ -63,7 +63,13 @@ class Session:
         self.init_attributes = init_attributes or {}
         self.events = context.events.sink(self.tenant)
         self.messages = schema.load()
-        self.host_buffers = HostBuffers(context.deadlines, context.limits.host_buffer_timeout_s)
+        limits = context.limits
+        self.host_buffers = HostBuffers(
+            context.deadlines,
+            limits.host_buffer_timeout_s,
+            Quota("host buffers", limits.session_host_buffer_bytes, "--session_host_buffer_bytes"),
+        )
+        self.device_bytes = Quota("device memory", limits.session_device_bytes, "--session_device_bytes")
         self.arrays: dict[int, ArrayRecord] = {}
         self.programs: dict[int, Any] = {}
         self.futures: dict[int, Pending] = {}
@@ -169,10 +175,7 @@ class Session:
         return [self.record(handle) for handle in handles]
 
     def add_array(self, handle: int, record: ArrayRecord) -> int:
-        if handle == 0:
-            raise InvalidRequest("0 is not a valid array handle")
-        if handle in self.arrays:
-            raise InvalidRequest(f"array handle {handle} is already in use in this session")
+        self._check_free([handle])
         self.arrays[handle] = record
         return handle
 
@@ -182,6 +185,30 @@ class Session:
             record = self.arrays.get(handle)
             if record is None:
                 self.arrays[handle] = ArrayRecord.failed(0, (), None, error)
+    def add_new_arrays(
+        self, handles: Sequence[int], records: Sequence[ArrayRecord], for_what: str, credit: int = 0
+    ) -> None:
+        """Adds arrays a request makes, counted against the session's device memory first (or refused).
+
+        ``credit``: bytes of inputs the same request frees (donates). Each record
+        gives its bytes back when it is deleted, donated, failed or destructed.
+        """
+        self._check_free(handles)
+        sizes = [record.nbytes for record in records]
+        self.device_bytes.take(sum(sizes), for_what, credit)
+        for handle, record, nbytes in zip(handles, records, sizes, strict=True):
+            record.hold(lambda n=nbytes: self.device_bytes.give(n))
+            self.arrays[handle] = record
+
+    def _check_free(self, handles: Sequence[int]) -> None:
+        for handle in handles:
+            if handle == 0:
+                raise InvalidRequest("0 is not a valid array handle")
+            if handle in self.arrays:
+                raise InvalidRequest(f"array handle {handle} is already in use in this session")
+        if len(set(handles)) != len(handles):
+            raise InvalidRequest(f"a request names the same result handle twice: {list(handles)}")
+
             elif not record.ready:
                 record.fail(error)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from pathways_nb.protocol import dtypes
+from pathways_nb.protocol.errors import RequestError
+from pathways_nb.protocol.op_sharding import read as read_op_sharding
 from pathways_nb.protocol.shardings import IfrtSharding
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.runtime_api import Aval, ProgramInfo, Signature
@@ -84,15 +86,14 @@ def program_from_proto(proto: pb.CompiledProgram, device_ids: tuple[int, ...]) -
 def output_shardings(
     op_shardings: tuple[bytes, ...] | None, device_ids: tuple[int, ...], count: int
 ) -> tuple[IfrtSharding, ...]:
-    """Each result's sharding over ``device_ids`` from XLA's output OpShardings."""
+    """Each result's sharding over ``device_ids`` from XLA's output OpShardings (read in pure Python)."""
     if op_shardings is None or len(device_ids) == 1:
         return tuple(IfrtSharding(device_ids) for _ in range(count))
-    from jax._src.lib import xla_client as xc
-
     result = []
-    for serialized in op_shardings:
-        op = xc.OpSharding()
-        op.ParseFromString(serialized)
-        replicated = xc.HloSharding.from_proto(op).is_replicated()
+    for index, serialized in enumerate(op_shardings):
+        try:
+            replicated = read_op_sharding(serialized, len(device_ids)).is_fully_replicated
+        except RequestError as e:
+            raise type(e)(f"result {index} of the program: {e.message}") from e
         result.append(IfrtSharding(device_ids, None, None if replicated else serialized))
     return tuple(result)

@@ -175,34 +175,41 @@ class LocalRuntime:
     # -- shardings -------------------------------------------------------------------------
 
     def check_sharding(self, sharding: IfrtSharding) -> None:
-        """Refuses shardings over unknown devices or memory kinds (now, not when XLA sees them)."""
-        self.jax_sharding(sharding)
+        """Refuses shardings over no, unknown or repeated devices, unknown memory kinds or a bad OpSharding.
 
-    @functools.lru_cache(maxsize=4096)  # noqa: B019 - the runtime lives as long as the process
-    def jax_sharding(self, sharding: IfrtSharding):
-        """The ``jax.sharding.Sharding`` that places shards where ``sharding`` says."""
-        from jax._src.lib import xla_client as xc
-        from jax._src.sharding_impls import GSPMDSharding
-        from jax.sharding import SingleDeviceSharding
-
+        Pure Python, before any jax or XLA object exists: XLA aborts the
+        process (a CHECK) on some malformed shardings instead of raising.
+        """
+        if not sharding.device_ids:
+            raise InvalidRequest("a sharding over no devices; list the devices the array lives on")
         devices = [self.device(i) for i in sharding.device_ids]
         if len(set(sharding.device_ids)) != len(devices):
             raise InvalidRequest(f"a sharding lists a device twice: {list(sharding.device_ids)}")
         memory_kind = sharding.memory_kind or None
-        if memory_kind is not None and memory_kind not in self.memory_kinds(devices[0]):
-            raise InvalidRequest(
-                f"memory kind {memory_kind!r} does not exist on {devices[0]}; "
-                f"use one of {self.memory_kinds(devices[0])}"
-            )
+        for device in devices:
+            if memory_kind is not None and memory_kind not in self.memory_kinds(device):
+                raise InvalidRequest(
+                    f"memory kind {memory_kind!r} does not exist on {device}; use one of {self.memory_kinds(device)}"
+                )
+        sharding.tiling()
+
+    @functools.lru_cache(maxsize=4096)  # noqa: B019 - the runtime lives as long as the process
+    def jax_sharding(self, sharding: IfrtSharding):
+        """The ``jax.sharding.Sharding`` that places shards where ``sharding`` says.
+
+        XLA sees only the plain OpSharding written from the checked tiling, never the bytes a client sent.
+        """
+        from jax._src.lib import xla_client as xc
+        from jax._src.sharding_impls import GSPMDSharding
+        from jax.sharding import SingleDeviceSharding
+
+        self.check_sharding(sharding)
+        devices = [self.device(i) for i in sharding.device_ids]
+        memory_kind = sharding.memory_kind or None
         if sharding.is_single_device:
             return SingleDeviceSharding(devices[0], memory_kind=memory_kind)
-        if sharding.op_sharding is None:
-            return GSPMDSharding(devices, xc.HloSharding.replicate(), memory_kind=memory_kind)
         op = xc.OpSharding()
-        op.ParseFromString(sharding.op_sharding)
-        hlo = xc.HloSharding.from_proto(op)
-        if hlo.is_tiled() and hlo.num_devices() != len(devices):
-            raise InvalidRequest(f"an OpSharding for {hlo.num_devices()} devices was sent with {len(devices)} devices")
+        op.ParseFromString(sharding.tiling().to_proto().SerializeToString())
         return GSPMDSharding(devices, op, memory_kind=memory_kind)
 
     # -- arrays ----------------------------------------------------------------------------

@@ -1,0 +1,276 @@
+"""``xla.OpSharding`` read in pure Python, so client input never reaches XLA's C++ in the proxy.
+
+XLA's own reader (``xc.HloSharding.from_proto``) stops the whole process with a
+CHECK on some inputs it does not expect (a newer client's named sharding, an
+empty device list), so the proxy reads OpShardings here instead: it checks
+every field, answers what the proxy needs (which region of an array each
+device holds, the shard shape, whether every device holds all of it) and
+writes the validated sharding back in the plain form (explicit tile
+assignment) that the workers hand to XLA.
+
+A sharding over ``n`` devices names them by position ``0..n-1`` in the
+device list it travels with. Its tiles are laid out row-major over the
+array's dimensions; each tile is held by ``replicas`` devices (the
+replicated "last tile dimension" of a partially replicated sharding).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from dataclasses import dataclass
+
+from google.protobuf import message as protobuf_message
+from google.protobuf import unknown_fields
+
+from pathways_nb.protocol import schema
+from pathways_nb.protocol.errors import InvalidRequest, Unimplemented
+
+# xla.OpSharding.Type values.
+REPLICATED = 0
+MAXIMAL = 1
+TUPLE = 2
+OTHER = 3  # tiled
+MANUAL = 4
+UNKNOWN = 5
+UNREDUCED = 6
+_TYPE_NAMES = {
+    REPLICATED: "REPLICATED",
+    MAXIMAL: "MAXIMAL",
+    TUPLE: "TUPLE",
+    OTHER: "OTHER",
+    MANUAL: "MANUAL",
+    UNKNOWN: "UNKNOWN",
+    UNREDUCED: "UNREDUCED",
+}
+
+
+def server_jaxlib_version() -> str:
+    import jaxlib.version
+
+    return jaxlib.version.__version__
+
+
+def newer_format(what: str) -> Unimplemented:
+    """The error for a sharding written by a newer XLA than this server's."""
+    version = server_jaxlib_version()
+    return Unimplemented(
+        f"this sharding uses a format newer than this server's jaxlib {version} ({what}); "
+        f"upgrade pathways-nb's server jaxlib or use a client jax <= {version}"
+    )
+
+
+def check_no_unknown_fields(message: protobuf_message.Message, what: str) -> None:
+    """Refuses a message that carries fields this server's schema does not know (a newer client's)."""
+    unknown = unknown_fields.UnknownFieldSet(message)
+    if len(unknown):
+        numbers = sorted({field.field_number for field in unknown})
+        raise newer_format(f"{what} field{'s' if len(numbers) > 1 else ''} {', '.join(map(str, numbers))}")
+
+
+@dataclass(frozen=True, slots=True)
+class Tiling:
+    """How an array is laid out over ``num_devices`` devices.
+
+    ``partitions`` is the number of tiles along each array dimension (``None``
+    when every device holds the whole array, which fits arrays of any rank);
+    ``tile_devices`` lists the device positions tile by tile (row-major), each
+    tile's ``replicas`` holders next to each other.
+    """
+
+    num_devices: int
+    partitions: tuple[int, ...] | None = None
+    replicas: int = 1
+    tile_devices: tuple[int, ...] = ()
+
+    @property
+    def is_fully_replicated(self) -> bool:
+        return self.partitions is None
+
+    def check_rank(self, rank: int) -> None:
+        if self.partitions is not None and len(self.partitions) != rank:
+            raise InvalidRequest(
+                f"a sharding over {len(self.partitions)} dimensions was given for a rank-{rank} array; "
+                "give a sharding with one entry per array dimension"
+            )
+
+    def shard_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Shape of each shard (XLA pads uneven shards to this size, so it rounds up)."""
+        self.check_rank(len(shape))
+        if self.partitions is None:
+            return tuple(shape)
+        return tuple(-(-dim // parts) for dim, parts in zip(shape, self.partitions, strict=True))
+
+    def shard_indices(self, shape: tuple[int, ...]) -> tuple[tuple[slice, ...], ...]:
+        """The region of the array each device holds, in device-list order (as jax's ``op_sharding_to_indices``)."""
+        self.check_rank(len(shape))
+        if self.partitions is None:
+            return tuple((slice(None),) * len(shape) for _ in range(self.num_devices))
+        per_dim = []
+        for axis, (dim, parts) in enumerate(zip(shape, self.partitions, strict=True)):
+            if parts == 1:
+                per_dim.append([slice(None)])
+                continue
+            size, ragged = divmod(dim, parts)
+            if ragged:
+                raise InvalidRequest(
+                    f"shape {list(shape)} cannot be split evenly by this sharding: dimension {axis} "
+                    f"of size {dim} into {parts} parts; make it a multiple of {parts}"
+                )
+            per_dim.append([slice(i * size, (i + 1) * size) for i in range(parts)])
+        indices: list[tuple[slice, ...] | None] = [None] * self.num_devices
+        holders = iter(self.tile_devices)
+        for region in itertools.product(*per_dim):
+            for _ in range(self.replicas):
+                indices[next(holders)] = region
+        return tuple(indices)
+
+    def to_proto(self):
+        """The plain ``xla.OpSharding`` of this layout (explicit devices, only fields checked here)."""
+        op = schema.load().xla.OpSharding()
+        if self.partitions is None:
+            op.type = REPLICATED
+            return op
+        op.type = OTHER
+        op.tile_assignment_dimensions.extend(self.partitions)
+        if self.replicas > 1:
+            op.tile_assignment_dimensions.append(self.replicas)
+            op.replicate_on_last_tile_dim = True
+        op.tile_assignment_devices.extend(self.tile_devices)
+        return op
+
+
+def read(serialized: bytes, num_devices: int) -> Tiling:
+    """Reads and checks a serialized ``xla.OpSharding`` for a list of ``num_devices`` devices.
+
+    Raises ``InvalidRequest`` for a malformed sharding and ``Unimplemented``
+    for one this server cannot hold (manual, unreduced, a newer format).
+    """
+    return _read_cached(bytes(serialized), num_devices)
+
+
+@functools.lru_cache(maxsize=4096)
+def _read_cached(serialized: bytes, num_devices: int) -> Tiling:
+    try:
+        op = schema.load().xla.OpSharding.FromString(serialized)
+    except protobuf_message.DecodeError as e:
+        raise InvalidRequest(f"malformed OpSharding ({len(serialized)} bytes): {e}") from e
+    return from_message(op, num_devices)
+
+
+def from_message(op, num_devices: int) -> Tiling:
+    """Checks a parsed ``xla.OpSharding`` for a list of ``num_devices`` devices (see ``read``)."""
+    if num_devices < 1:
+        raise InvalidRequest("a sharding over no devices; give at least one device")
+    check_no_unknown_fields(op, "OpSharding")
+    if op.HasField("named_sharding"):
+        raise newer_format("a named (mesh and axes) OpSharding")
+    kind = op.type
+    if kind == REPLICATED:
+        return Tiling(num_devices)
+    if kind == MAXIMAL:
+        return _maximal(op, num_devices)
+    if kind == OTHER:
+        return _tiled(op, num_devices)
+    if kind == TUPLE:
+        raise InvalidRequest("a TUPLE OpSharding was given where one array's sharding is needed")
+    if kind in (MANUAL, UNREDUCED):
+        raise Unimplemented(
+            f"{_TYPE_NAMES[kind]} shardings (inside shard_map, or unreduced partial sums) cannot describe "
+            "an array on this server; give the array a tiled or replicated sharding"
+        )
+    if kind == UNKNOWN:
+        raise InvalidRequest("an UNKNOWN OpSharding (a placeholder of XLA's sharding propagation) describes no layout")
+    raise newer_format(f"OpSharding type {kind}")
+
+
+def _maximal(op, num_devices: int) -> Tiling:
+    devices = list(op.tile_assignment_devices)
+    if len(devices) != 1 or not 0 <= devices[0] < num_devices:
+        raise InvalidRequest(
+            f"a MAXIMAL OpSharding must name one device of the {num_devices} in its list, got {devices}"
+        )
+    if num_devices > 1:
+        raise Unimplemented(
+            f"a MAXIMAL OpSharding (the whole array on one device) over {num_devices} devices; "
+            "put the array on one device with a SingleDeviceSharding"
+        )
+    return Tiling(num_devices)
+
+
+def _tiled(op, num_devices: int) -> Tiling:
+    dims = list(op.tile_assignment_dimensions)
+    if not dims or any(d < 1 for d in dims):
+        raise InvalidRequest(f"a tiled OpSharding needs tile_assignment_dimensions of at least 1, got {dims}")
+    if math.prod(dims) != num_devices:
+        raise InvalidRequest(
+            f"an OpSharding for {math.prod(dims)} devices (tiles {dims}) was sent with {num_devices} devices; "
+            "give the sharding as many devices as it has tiles"
+        )
+    devices = _tile_assignment(op, num_devices)
+    subgroups = _subgroup_dims(op, len(dims))
+    # Trailing subgroup dimensions are all REPLICATED by now: fold them into one.
+    data_dims = dims[: len(dims) - len(subgroups)]
+    replicas = math.prod(dims[len(data_dims) :])
+    if math.prod(data_dims) == 1:
+        return Tiling(num_devices)
+    return Tiling(num_devices, tuple(data_dims), replicas, tuple(devices))
+
+
+def _tile_assignment(op, num_devices: int) -> list[int]:
+    """The device positions in tile order, from the explicit list or the iota form; a permutation."""
+    explicit = list(op.tile_assignment_devices)
+    reshape = list(op.iota_reshape_dims)
+    perm = list(op.iota_transpose_perm)
+    if explicit and (reshape or perm):
+        raise InvalidRequest("an OpSharding gives both tile_assignment_devices and an iota tile assignment")
+    if reshape or perm:
+        if any(d < 1 for d in reshape) or math.prod(reshape) != num_devices:
+            raise InvalidRequest(f"iota_reshape_dims {reshape} do not multiply to the {num_devices} devices")
+        if sorted(perm) != list(range(len(reshape))):
+            raise InvalidRequest(
+                f"iota_transpose_perm {perm} is not a permutation of the {len(reshape)} iota_reshape_dims"
+            )
+        return _iota(reshape, perm)
+    if len(explicit) != num_devices:
+        raise InvalidRequest(
+            f"an OpSharding with {len(explicit)} tile_assignment_devices for {num_devices} devices; "
+            "list each device once"
+        )
+    if sorted(explicit) != list(range(num_devices)):
+        raise InvalidRequest(
+            f"tile_assignment_devices {explicit} must name each of the {num_devices} devices "
+            f"(positions 0 to {num_devices - 1}) exactly once"
+        )
+    return explicit
+
+
+def _iota(reshape: list[int], perm: list[int]) -> list[int]:
+    """``arange(prod(reshape)).reshape(reshape).transpose(perm).ravel()``, without numpy's C in the way."""
+    strides = [math.prod(reshape[i + 1 :]) for i in range(len(reshape))]
+    ranges = [range(reshape[p]) for p in perm]
+    return [sum(i * strides[p] for i, p in zip(index, perm, strict=True)) for index in itertools.product(*ranges)]
+
+
+def _subgroup_dims(op, rank: int) -> list[int]:
+    """The subgroup (trailing) dimensions of the tile assignment, all checked to be replication."""
+    kinds = list(op.last_tile_dims)
+    if op.replicate_on_last_tile_dim:
+        if kinds:
+            raise InvalidRequest("an OpSharding sets both replicate_on_last_tile_dim and last_tile_dims")
+        kinds = [REPLICATED]
+    if len(kinds) > rank:
+        raise InvalidRequest(f"{len(kinds)} last_tile_dims for a tile assignment of {rank} dimensions")
+    dims = list(op.tile_assignment_dimensions)[rank - len(kinds) :]
+    for kind, size in zip(kinds, dims, strict=True):
+        if kind not in _TYPE_NAMES:
+            raise newer_format(f"last_tile_dims type {kind}")
+        if kind in (MANUAL, UNREDUCED) and size > 1:
+            raise Unimplemented(
+                f"a sharding with a {_TYPE_NAMES[kind]} subgroup cannot describe an array on this server; "
+                "give the array a tiled or replicated sharding"
+            )
+        if kind not in (REPLICATED, MANUAL, UNREDUCED):
+            raise InvalidRequest(f"last_tile_dims may hold REPLICATED, MANUAL or UNREDUCED, not {_TYPE_NAMES[kind]}")
+    return kinds
