@@ -27,14 +27,31 @@ def _serve_proxy(args: argparse.Namespace) -> int:
 
         runtime = ClusterRuntime(args.resource_manager_address, allocation_timeout_s=args.allocation_timeout)
         serving = f"the cluster of {args.resource_manager_address}"
+        serving_cpu = True  # the proxy cannot see its workers' memory; their CPU devices are the default
     else:
         from pathways_nb.worker.runtime import LocalRuntime
 
         runtime = LocalRuntime(args.platform, args.devices)
         serving = f"{len(runtime.devices)} {runtime.platform} device(s)"
-    limits = ProxyLimits(host_buffer_timeout_s=args.host_buffer_timeout)
+        serving_cpu = runtime.platform == "cpu"
+    limits = ProxyLimits(
+        host_buffer_timeout_s=args.host_buffer_timeout,
+        session_host_buffer_bytes=_memory_share(args.session_host_buffer_bytes, 4),
+        session_device_bytes=_memory_share(args.session_device_bytes, 2 if serving_cpu else 0),
+    )
     server = ProxyServer(runtime, port=args.server_port, host=args.host, limits=limits)
     return _serve(server, f"pathways-nb proxy serving {server.address} with {serving}", started, args.port_file)
+
+
+def _memory_share(flag: int | None, divisor: int) -> int:
+    """``flag`` bytes if given, else this machine's RAM / ``divisor`` (0, no limit, when ``divisor`` is 0)."""
+    if flag is not None:
+        return flag
+    if not divisor:
+        return 0
+    import psutil
+
+    return psutil.virtual_memory().total // divisor
 
 
 def _serve_resource_manager(args: argparse.Namespace) -> int:
@@ -151,6 +168,21 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=60.0,
         help="seconds a request waits for its upload before failing",
+    )
+    proxy.add_argument(
+        "--session_host_buffer_bytes",
+        type=int,
+        default=None,
+        help="most bytes of host buffers (uploads, staged downloads) one session may hold; "
+        "default: a quarter of this machine's RAM; 0: no limit",
+    )
+    proxy.add_argument(
+        "--session_device_bytes",
+        type=int,
+        default=None,
+        help="most bytes of arrays one session may keep on its devices; default: half of this machine's "
+        "RAM for CPU devices (set it for a cluster whose workers run elsewhere), no limit for accelerators, "
+        "whose runtime enforces its own; 0: no limit",
     )
     proxy.add_argument("--port_file", default=None, help="write the bound port to this file once serving")
     proxy.add_argument(

@@ -11,10 +11,12 @@ a failed handle reports the original message.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from pathways_nb.protocol import dtypes
 from pathways_nb.protocol.errors import RequestError, as_request_error
 from pathways_nb.protocol.shardings import IfrtSharding
 
@@ -87,7 +89,7 @@ def when_all(pendings: Sequence[Pending], callback: Callable[[BaseException | No
 class ArrayRecord:
     """An array of a session: metadata now, device value or error when known."""
 
-    __slots__ = ("_pending", "deleted", "error", "kind", "shape", "sharding", "value")
+    __slots__ = ("_pending", "_release", "deleted", "error", "kind", "shape", "sharding", "value")
 
     def __init__(self, kind: int, shape: tuple[int, ...], sharding: IfrtSharding | None, value=None):
         self.kind = kind
@@ -97,6 +99,8 @@ class ArrayRecord:
         self.error: RequestError | None = None
         self.deleted = False
         self._pending: Pending | None = None if value is not None else Pending()
+        # Gives the array's bytes back to its session's quota; called once, when the memory is no longer held.
+        self._release: Callable[[], None] | None = None
 
     @classmethod
     def failed(
@@ -105,6 +109,23 @@ class ArrayRecord:
         record = cls(kind, shape, sharding)
         record.fail(error)
         return record
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the value takes on its devices, per copy (tokens take none); raises for unknown dtypes."""
+        if self.kind == dtypes.TOKEN_KIND:
+            return 0
+        return math.prod(self.shape) * dtypes.to_numpy(self.kind).itemsize
+
+    def hold(self, release: Callable[[], None]) -> None:
+        """Calls ``release`` once the value's memory is freed (deleted, donated, failed or forgotten)."""
+        self._release = release
+
+    def free(self) -> None:
+        """The value no longer holds memory this record answers for (it was forgotten or donated)."""
+        release, self._release = self._release, None
+        if release is not None:
+            release()
 
     @property
     def ready(self) -> bool:
@@ -126,6 +147,7 @@ class ArrayRecord:
 
     def fail(self, error: RequestError) -> None:
         self.error = error
+        self.free()
         if self._pending is None:
             self._pending = Pending()
         self._pending.fail(error)
@@ -133,6 +155,7 @@ class ArrayRecord:
     def delete(self) -> None:
         """Frees the device memory now, or as soon as the value exists."""
         self.deleted = True
+        self.free()
         if self.ready:
             if self.value is not None:
                 self.value.delete()

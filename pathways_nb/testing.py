@@ -116,6 +116,14 @@ class WireSession:
         request = self.messages.proxy.GrpcHostBufferLookupRequest(session_id=self.session_id, handle=handle)
         return b"".join(chunk.data for chunk in lookup(request))
 
+    def delete_host_buffer(self, handle: int) -> None:
+        delete = self.channel.unary_unary(
+            SERVICE + "HostBufferDelete",
+            request_serializer=self.messages.proxy.GrpcHostBufferDeleteRequest.SerializeToString,
+            response_deserializer=self.messages.proxy.GrpcHostBufferDeleteResponse.FromString,
+        )
+        delete(self.messages.proxy.GrpcHostBufferDeleteRequest(session_id=self.session_id, handle=handle))
+
     def close(self) -> None:
         self._requests.put(None)
         self.channel.close()

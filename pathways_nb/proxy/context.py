@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from pathways_nb.events import EventLog
+from pathways_nb.protocol.errors import ResourceExhausted
 from pathways_nb.proxy.activities import Activities
 from pathways_nb.proxy.deadlines import Deadlines
 from pathways_nb.runtime_api import ProgramInfo, Runtime
@@ -22,6 +23,52 @@ class ProxyLimits:
     compile_cache_entries: int = 256
     compile_threads: int = 2
     wait_threads: int = 8
+    # Per-session byte limits; 0 means no limit (``pathways-nb proxy`` picks defaults from the machine).
+    session_host_buffer_bytes: int = 0
+    session_device_bytes: int = 0
+
+
+class Quota:
+    """Bytes a session may hold of one resource, taken before anything is allocated.
+
+    ``take`` refuses with RESOURCE_EXHAUSTED (naming the limit, what was asked,
+    what is in use and the flag that raises it) instead of letting one tenant
+    exhaust the server; whoever took bytes gives them back with ``give``.
+    """
+
+    def __init__(self, what: str, limit: int, flag: str):
+        self.what = what
+        self.limit = limit
+        self.flag = flag
+        self.in_use = 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int, for_what: str, credit: int = 0) -> int:
+        """Counts ``nbytes`` as used, or raises ``ResourceExhausted``; ``credit`` bytes are about to be freed."""
+        with self._lock:
+            if self.limit and self.in_use - credit + nbytes > self.limit:
+                raise ResourceExhausted(
+                    f"{for_what} needs {_size(nbytes)} of {self.what}, but this session already holds "
+                    f"{_size(self.in_use)} of its {_size(self.limit)} limit ({self.flag}). Free what you no "
+                    f"longer need (delete arrays, x.delete()), or start the server with a larger {self.flag} "
+                    "(0 means no limit)"
+                )
+            self.in_use += nbytes
+        return nbytes
+
+    def give(self, nbytes: int) -> None:
+        with self._lock:
+            self.in_use -= nbytes
+
+
+def _size(nbytes: int) -> str:
+    """Bytes for people: exact below 1 KiB, else in the largest unit that keeps a number >= 1."""
+    value, unit = float(nbytes), "bytes"
+    for larger in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, larger
+    return f"{nbytes} bytes" if unit == "bytes" else f"{value:.1f} {unit}"
 
 
 class CompileCache:

@@ -4,6 +4,10 @@
 arrive before its upload has finished. A consumer asks for the buffer with
 ``take()`` and gets a ``Pending`` that resolves when the bytes are stored, or
 fails after the upload time-out with an error that names the handle.
+
+Every byte a session holds here counts against its host-buffer quota:
+an upload from the moment it starts (``reserve``, before any memory is
+allocated), a stored buffer until it is taken, deleted or the session ends.
 """
 
 from __future__ import annotations
@@ -12,31 +16,50 @@ import threading
 
 from pathways_nb.dataflow import Pending
 from pathways_nb.protocol.errors import DeadlineExceeded, InvalidRequest, NotFound, Unavailable
+from pathways_nb.proxy.context import Quota
 from pathways_nb.proxy.deadlines import Deadlines
 
 
 class HostBuffers:
     """Host buffers by client-chosen handle, for one session."""
 
-    def __init__(self, deadlines: Deadlines, upload_timeout_s: float):
+    def __init__(self, deadlines: Deadlines, upload_timeout_s: float, quota: Quota):
         self._deadlines = deadlines
         self._upload_timeout_s = upload_timeout_s
+        self.quota = quota
         self._lock = threading.Lock()
-        self._stored: dict[int, memoryview] = {}
+        # handle -> (bytes, how many bytes of the quota they hold)
+        self._stored: dict[int, tuple[memoryview, int]] = {}
         self._waiting: dict[int, Pending] = {}
         self._closed_reason: str | None = None
 
-    def store(self, handle: int, data: memoryview) -> None:
-        """Keeps ``data`` under ``handle``, or hands it to the request waiting for it."""
+    def reserve(self, nbytes: int, for_what: str) -> int:
+        """Counts ``nbytes`` against the quota before they are allocated (RESOURCE_EXHAUSTED if over it)."""
+        if self._closed_reason is not None:
+            raise Unavailable(self._closed_reason)
+        return self.quota.take(nbytes, for_what)
+
+    def release(self, reserved: int) -> None:
+        """Gives back a reservation whose bytes were never stored (a failed upload or read)."""
+        self.quota.give(reserved)
+
+    def store(self, handle: int, data: memoryview, reserved: int = 0) -> None:
+        """Keeps ``data`` under ``handle``, or hands it to the request waiting for it.
+
+        The buffer holds the ``reserved`` bytes of the quota until it leaves the
+        store; if it cannot be stored, they are given back here.
+        """
         with self._lock:
-            if self._closed_reason is not None:
-                raise Unavailable(self._closed_reason)
-            if handle in self._stored:
+            if self._closed_reason is not None or handle in self._stored:
+                self.quota.give(reserved)
+                if self._closed_reason is not None:
+                    raise Unavailable(self._closed_reason)
                 raise InvalidRequest(f"host buffer {handle} is already stored; handles are used once")
             waiter = self._waiting.pop(handle, None)
             if waiter is None:
-                self._stored[handle] = data
+                self._stored[handle] = (data, reserved)
         if waiter is not None:
+            self.quota.give(reserved)
             waiter.resolve(data)
 
     def take(self, handle: int) -> Pending:
@@ -46,13 +69,15 @@ class HostBuffers:
             if self._closed_reason is not None:
                 pending.fail(Unavailable(self._closed_reason))
                 return pending
-            data = self._stored.pop(handle, None)
-            if data is None:
+            stored = self._stored.pop(handle, None)
+            if stored is None:
                 if handle in self._waiting:
                     pending.fail(InvalidRequest(f"host buffer {handle} is already used by another request"))
                     return pending
                 self._waiting[handle] = pending
-        if data is not None:
+        if stored is not None:
+            data, reserved = stored
+            self.quota.give(reserved)
             pending.resolve(data)
             return pending
         timer = self._deadlines.call_later(self._upload_timeout_s, lambda: self._expire(handle, pending))
@@ -63,21 +88,24 @@ class HostBuffers:
         """The stored buffer, left in place (``HostBufferLookup``)."""
         with self._lock:
             try:
-                return self._stored[handle]
+                return self._stored[handle][0]
             except KeyError:
                 raise NotFound(f"no host buffer {handle} in this session") from None
 
     def delete(self, handle: int) -> None:
         with self._lock:
-            if self._stored.pop(handle, None) is None:
-                raise NotFound(f"no host buffer {handle} in this session")
+            stored = self._stored.pop(handle, None)
+        if stored is None:
+            raise NotFound(f"no host buffer {handle} in this session")
+        self.quota.give(stored[1])
 
     def close(self, reason: str) -> None:
         """Drops every buffer and fails every request still waiting for one."""
         with self._lock:
             self._closed_reason = reason
             waiting, self._waiting = self._waiting, {}
-            self._stored.clear()
+            stored, self._stored = self._stored, {}
+        self.quota.give(sum(reserved for _data, reserved in stored.values()))
         for pending in waiting.values():
             pending.fail(Unavailable(reason))
 

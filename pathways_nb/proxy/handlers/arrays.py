@@ -40,15 +40,22 @@ def _host_array(data: memoryview, dtype: np.dtype, shape: tuple[int, ...], byte_
     return view if view.flags.c_contiguous else view.copy(order="C")
 
 
+def _strided_extent(shape: tuple[int, ...], itemsize: int, byte_strides) -> int:
+    """Bytes a host buffer of ``shape`` laid out with the client's byte strides (dense if none) takes."""
+    if byte_strides is None:
+        return math.prod(shape) * itemsize
+    strides = tuple(byte_strides)
+    if len(strides) != len(shape) or any(s < 0 for s in strides):
+        raise InvalidRequest(f"byte strides {list(strides)} do not fit a {len(shape)}-dimensional array")
+    return itemsize + sum((d - 1) * s for d, s in zip(shape, strides, strict=True)) if math.prod(shape) else 0
+
+
 def _strided_bytes(host: np.ndarray, byte_strides) -> memoryview:
     """``host``'s elements laid out with the client's byte strides (dense if none)."""
     if byte_strides is None:
         return memoryview(np.ascontiguousarray(host).reshape(-1).view(np.uint8))
+    out = np.zeros(_strided_extent(host.shape, host.itemsize, byte_strides), np.uint8)
     strides = tuple(byte_strides)
-    if len(strides) != host.ndim or any(s < 0 for s in strides):
-        raise InvalidRequest(f"byte strides {list(strides)} do not fit a {host.ndim}-dimensional array")
-    extent = host.itemsize + sum((d - 1) * s for d, s in zip(host.shape, strides, strict=True)) if host.size else 0
-    out = np.zeros(extent, np.uint8)
     if host.size:
         np.ndarray(host.shape, host.dtype, buffer=out, strides=strides)[...] = host
     return memoryview(out)
@@ -71,11 +78,22 @@ def _shape(proto) -> tuple[int, ...]:
     return shape
 
 
+def _sources(session, handles) -> list[ArrayRecord]:
+    """The input arrays of a request that makes new ones; an input that failed fails it with its own error."""
+    records = session.records(handles)
+    for record in records:
+        if record.error is not None:
+            raise record.error
+    return records
+
+
 @handles(
     "make_array_from_host_buffer_request", outputs=lambda r: [r.array_handle] if r.HasField("array_handle") else []
 )
 def make_array_from_host_buffer(session, request, op_id):
     """A device array from an uploaded host buffer; the upload may still be on its way."""
+    # Taken first, so that the buffer is dropped (not kept until the session ends) if the request fails.
+    upload = session.host_buffers.take(request.host_buffer_handle)
     kind = request.dtype.kind
     dtype = dtypes.to_numpy(kind)
     shape = _shape(request.shape)
@@ -84,8 +102,7 @@ def make_array_from_host_buffer(session, request, op_id):
     strides = _strides(request)
     record = ArrayRecord(kind, shape, sharding)
     handle = request.array_handle if request.HasField("array_handle") else session.server_handle()
-    session.add_array(handle, record)
-    upload = session.host_buffers.take(request.host_buffer_handle)
+    session.add_new_arrays([handle], [record], f"array {handle} ({dtype}{list(shape)})")
     started = time.time()
 
     def arrived(data, error):
@@ -106,17 +123,19 @@ def make_array_from_host_buffer(session, request, op_id):
 @handles("make_arrays_from_host_buffer_shards_request", outputs=lambda r: r.array_handles)
 def make_arrays_from_host_buffer_shards(session, request, op_id):
     """Sharded arrays from one host buffer per group of shards (``device_put`` with a sharding)."""
+    # Every upload is taken first, so that none outlives a failed request.
+    uploads = [[session.host_buffers.take(b.host_buffer_handle) for b in spec.host_buffers] for spec in request.specs]
     if request.array_handles and len(request.array_handles) != len(request.specs):
         raise InvalidRequest(f"{len(request.array_handles)} handles for {len(request.specs)} arrays")
     handles_out = []
     for index, spec in enumerate(request.specs):
         handle = request.array_handles[index] if request.array_handles else session.server_handle()
         handles_out.append(handle)
-        _make_from_shards(session, handle, spec)
+        _make_from_shards(session, handle, spec, uploads[index])
     return session.messages.proxy.MakeArraysFromHostBufferShardsResponse(array_handles=handles_out)
 
 
-def _make_from_shards(session, handle: int, spec) -> None:
+def _make_from_shards(session, handle: int, spec, uploads: list[Pending]) -> None:
     kind = spec.array_spec.dtype.kind
     dtype = dtypes.to_numpy(kind)
     shape = _shape(spec.array_spec.shape)
@@ -124,7 +143,7 @@ def _make_from_shards(session, handle: int, spec) -> None:
     session.runtime.check_sharding(sharding)
     shard_shape = sharding.shard_shape(shape)
     record = ArrayRecord(kind, shape, sharding)
-    session.add_array(handle, record)
+    session.add_new_arrays([handle], [record], f"array {handle} ({dtype}{list(shape)})")
     if len(spec.host_buffers) != len(spec.addressable_shard_indices):
         raise InvalidRequest("every host buffer needs its list of shard indices")
     owners: dict[int, int] = {}
@@ -137,7 +156,6 @@ def _make_from_shards(session, handle: int, spec) -> None:
             owners[shard_index] = buffer_index
     if len(owners) != len(sharding.device_ids):
         raise InvalidRequest(f"host buffers cover {len(owners)} of {len(sharding.device_ids)} shards")
-    uploads = [session.host_buffers.take(buffer.host_buffer_handle) for buffer in spec.host_buffers]
     buffer_specs = [(dtypes.to_numpy(b.dtype.kind), _shape(b.shape), _strides(b)) for b in spec.host_buffers]
     for buffer_dtype, buffer_shape, _ in buffer_specs:
         if buffer_shape != shard_shape or buffer_dtype != dtype:
@@ -169,16 +187,23 @@ def copy_to_host_buffer(session, request, op_id):
     started = time.time()
 
     def read():
-        return _strided_bytes(session.runtime.to_host(record.value), strides)
+        # The staged copy counts against the session's host buffers before it is made.
+        nbytes = _strided_extent(record.shape, dtypes.to_numpy(record.kind).itemsize, strides)
+        reserved = session.host_buffers.reserve(nbytes, f"reading array {request.array_handle}")
+        try:
+            return _strided_bytes(session.runtime.to_host(record.value), strides), reserved
+        except BaseException:
+            session.host_buffers.release(reserved)
+            raise
 
-    def stored(data, error):
-        if data is not None:
+    def stored(result, error):
+        if result is not None:
+            data, reserved = result
             _record_transfer(
                 session, "download", f"array {request.array_handle}", record.sharding, started, data.nbytes
             )
-        if error is None:
             try:
-                session.host_buffers.store(request.host_buffer_handle, data)
+                session.host_buffers.store(request.host_buffer_handle, data, reserved)
             except RequestError as failure:
                 error = failure
         if error is not None:
@@ -215,8 +240,12 @@ def check_value_ready(session, request, op_id):
 @handles("make_error_arrays_request", outputs=lambda r: r.array_handles)
 def make_error_arrays(session, request, op_id):
     """Arrays that hold an error the client made; using them raises it."""
+    if not 1 <= request.error.code <= 16:
+        raise InvalidRequest(f"an error array needs an error status (code 1-16), not code {request.error.code}")
     error = RequestError(request.error.message or "error array")
-    error.code = request.error.code or error.code
+    error.code = request.error.code
+    if request.array_handles and len(request.array_handles) != len(request.array_specs):
+        raise InvalidRequest(f"{len(request.array_handles)} handles for {len(request.array_specs)} error arrays")
     handles_out = []
     for index, spec in enumerate(request.array_specs):
         handle = request.array_handles[index] if request.array_handles else session.server_handle()
@@ -229,10 +258,19 @@ def make_error_arrays(session, request, op_id):
 # -- assembling and moving ------------------------------------------------------------------
 
 
-def _derive(session, handle: int, inputs: list[ArrayRecord], record: ArrayRecord, make, semantics: int) -> int:
-    """Adds ``record`` under ``handle`` and fills it with ``make()`` once ``inputs`` are ready."""
+def _derive(
+    session, handle: int, inputs: list[ArrayRecord], record: ArrayRecord, make, semantics: int, new_memory: bool = True
+) -> int:
+    """Adds ``record`` under ``handle`` and fills it with ``make()`` once ``inputs`` are ready.
+
+    ``new_memory``: the result takes memory of its own (not a view of an input's), so it counts against the quota.
+    """
     handle = handle or session.server_handle()
-    session.add_array(handle, record)
+    if new_memory:
+        donated = sum(source.nbytes for source in inputs) if semantics == DONATE_INPUT else 0
+        session.add_new_arrays([handle], [record], f"array {handle} ({list(record.shape)})", credit=donated)
+    else:
+        session.add_array(handle, record)
 
     def work():
         record.set(make())
@@ -246,7 +284,7 @@ def _derive(session, handle: int, inputs: list[ArrayRecord], record: ArrayRecord
 
 @handles("assemble_array_from_single_device_arrays_request", outputs=lambda r: [r.result_handle])
 def assemble(session, request, op_id):
-    inputs = session.records(request.single_device_array_handles)
+    inputs = _sources(session, request.single_device_array_handles)
     if not inputs:
         raise InvalidRequest("assembling an array needs at least one single-device array")
     shape = _shape(request.shape)
@@ -266,7 +304,7 @@ def assemble(session, request, op_id):
 
 @handles("disassemble_into_single_device_arrays_request", outputs=lambda r: r.result_handles)
 def disassemble(session, request, op_id):
-    source = session.record(request.array_handle)
+    (source,) = _sources(session, [request.array_handle])
     sharding = source.sharding
     if request.result_handles and len(request.result_handles) != len(sharding.device_ids):
         raise InvalidRequest(
@@ -291,7 +329,7 @@ def disassemble(session, request, op_id):
 
 @handles("fully_replicated_shard_request", outputs=lambda r: [r.result_handle])
 def fully_replicated_shard(session, request, op_id):
-    source = session.record(request.array_handle)
+    (source,) = _sources(session, [request.array_handle])
     first = source.sharding.device_ids[0]
     record = ArrayRecord(source.kind, source.shape, IfrtSharding((first,), source.sharding.memory_kind))
 
@@ -300,7 +338,9 @@ def fully_replicated_shard(session, request, op_id):
             raise InvalidRequest("the array is not fully replicated; disassemble it to read one shard")
         return session.runtime.disassemble(source.value, source.sharding)[0]
 
-    handle = _derive(session, request.result_handle, [source], record, first_shard, request.copy_semantics)
+    handle = _derive(
+        session, request.result_handle, [source], record, first_shard, request.copy_semantics, new_memory=False
+    )
     return session.messages.proxy.FullyReplicatedShardResponse(array_handle=handle)
 
 
@@ -329,7 +369,7 @@ def _move_all(session, sources: list[ArrayRecord], targets: list[IfrtSharding], 
 @handles("copy_arrays_request", outputs=lambda r: r.result_handles)
 def copy_arrays(session, request, op_id):
     """The same arrays on other devices or memories (``jax.device_put`` to new devices)."""
-    sources = session.records(request.array_handles)
+    sources = _sources(session, request.array_handles)
     memory_kind = request.memory_kind or None if request.HasField("memory_kind") else None
     targets = [
         source.sharding.with_devices(
@@ -344,7 +384,7 @@ def copy_arrays(session, request, op_id):
 @handles("reshard_arrays_request", outputs=lambda r: r.result_handles)
 def reshard_arrays(session, request, op_id):
     """The same arrays with new shardings (possibly new devices)."""
-    sources = session.records(request.array_handles)
+    sources = _sources(session, request.array_handles)
     if len(request.array_specs) != len(sources):
         raise InvalidRequest(f"{len(request.array_specs)} array specs for {len(sources)} arrays")
     targets = [shardings.from_proto(spec.sharding) for spec in request.array_specs]
@@ -355,7 +395,7 @@ def reshard_arrays(session, request, op_id):
 @handles("remap_arrays_request", outputs=lambda r: r.result_handles)
 def remap_arrays(session, request, op_id):
     """New arrays whose shards are shards of the inputs, as the remap plan maps them."""
-    sources = session.records(request.array_handles)
+    sources = _sources(session, request.array_handles)
     plan = request.plan
     if len(plan.input_specs) != len(sources):
         raise InvalidRequest(f"the remap plan takes {len(plan.input_specs)} arrays, got {len(sources)}")
@@ -366,27 +406,18 @@ def remap_arrays(session, request, op_id):
     result_handles = list(request.result_handles) or [session.server_handle() for _ in outputs]
     if len(result_handles) != len(outputs):
         raise InvalidRequest(f"{len(result_handles)} result handles for {len(outputs)} remapped arrays")
-    for handle, record in zip(result_handles, outputs, strict=True):
-        session.add_array(handle, record)
+    moves = _remap_moves(
+        plan, [len(s.sharding.device_ids) for s in sources], [len(o.sharding.device_ids) for o in outputs]
+    )
+    donated = sum(source.nbytes for source in sources) if request.copy_semantics == DONATE_INPUT else 0
+    session.add_new_arrays(result_handles, outputs, f"{len(outputs)} remapped array(s)", credit=donated)
 
     def remap():
         pieces = [session.runtime.disassemble(s.value, s.sharding) for s in sources]
         placed: list[list] = [[None] * len(o.sharding.device_ids) for o in outputs]
-        for mapping in plan.mappings:
-            for from_interval, to_interval in zip(
-                zip(mapping.from_start, mapping.from_end, mapping.from_step, strict=True),
-                zip(mapping.to_start, mapping.to_end, mapping.to_step, strict=True),
-                strict=True,
-            ):
-                taken = range(*from_interval)
-                into = range(*to_interval)
-                if len(taken) != len(into):
-                    raise InvalidRequest("a remap interval maps a different number of shards than it receives")
-                for i, j in zip(taken, into, strict=True):
-                    placed[mapping.out_array][j] = pieces[mapping.in_array][i]
+        for in_array, i, out_array, j in moves:
+            placed[out_array][j] = pieces[in_array][i]
         for record, shards in zip(outputs, placed, strict=True):
-            if any(shard is None for shard in shards):
-                raise InvalidRequest("the remap plan leaves shards of an output array unassigned")
             record.set(session.runtime.assemble(record.shape, record.sharding, shards))
         if request.copy_semantics == DONATE_INPUT:
             for source in sources:
@@ -394,6 +425,46 @@ def remap_arrays(session, request, op_id):
 
     session.after(sources, remap, outputs=outputs)
     return session.messages.proxy.RemapArraysResponse(array_handles=result_handles)
+
+
+def _remap_moves(plan, input_shards: list[int], output_shards: list[int]) -> list[tuple[int, int, int, int]]:
+    """The plan's mappings as (input array, its shard, output array, its shard), checked against the arrays."""
+    moves = []
+    for mapping in plan.mappings:
+        if not (0 <= mapping.in_array < len(input_shards) and 0 <= mapping.out_array < len(output_shards)):
+            raise InvalidRequest(
+                f"a remap mapping from array {mapping.in_array} to array {mapping.out_array}; the plan has "
+                f"{len(input_shards)} input and {len(output_shards)} output arrays"
+            )
+        ends = (
+            mapping.from_start,
+            mapping.from_end,
+            mapping.from_step,
+            mapping.to_start,
+            mapping.to_end,
+            mapping.to_step,
+        )
+        if len({len(e) for e in ends}) != 1:
+            raise InvalidRequest("a remap mapping's interval lists (start, end, step; from and to) differ in length")
+        for from_start, from_end, from_step, to_start, to_end, to_step in zip(*ends, strict=True):
+            if from_step <= 0 or to_step <= 0:
+                raise InvalidRequest("a remap interval needs a positive step")
+            taken = range(from_start, from_end, from_step)
+            into = range(to_start, to_end, to_step)
+            if len(taken) != len(into):
+                raise InvalidRequest("a remap interval maps a different number of shards than it receives")
+            for i, j in zip(taken, into, strict=True):
+                if not (0 <= i < input_shards[mapping.in_array] and 0 <= j < output_shards[mapping.out_array]):
+                    raise InvalidRequest(
+                        f"a remap interval moves shard {i} of input {mapping.in_array} to shard {j} of output "
+                        f"{mapping.out_array}, which have {input_shards[mapping.in_array]} and "
+                        f"{output_shards[mapping.out_array]} shards"
+                    )
+                moves.append((mapping.in_array, i, mapping.out_array, j))
+    assigned = {(out_array, j) for _, _, out_array, j in moves}
+    if len(assigned) != sum(output_shards):
+        raise InvalidRequest("the remap plan leaves shards of an output array unassigned")
+    return moves
 
 
 @handles("bitcast_arrays_request", outputs=lambda r: r.result_handles)
@@ -428,7 +499,13 @@ def delete_array(session, request, op_id):
 @handles("destruct_array_request")
 def destruct_array(session, request, op_id):
     """Forgets handles the client dropped; their memory goes once no program uses it."""
-    missing = [handle for handle in request.array_handle if session.arrays.pop(handle, None) is None]
+    missing = []
+    for handle in request.array_handle:
+        record = session.arrays.pop(handle, None)
+        if record is None:
+            missing.append(handle)
+        else:
+            record.free()
     if missing:
         raise InvalidRequest(f"unknown array handle(s) {', '.join(map(str, missing))}")
     return session.messages.proxy.DestructArrayResponse()

@@ -166,10 +166,10 @@ def execute(session, request, op_id):
         for kind, aval, sharding in zip(loaded.output_kinds, results, program.output_shardings, strict=True)
     ]
     output_handles = client_handles or [session.server_handle() for _ in outputs]
-    for handle, record in zip(output_handles, outputs, strict=True):
-        session.add_array(handle, record)
     keep = frozenset(options.non_donatable_input_indices)
     donated = [inputs[i] for i in program.donated_args if i not in keep and i < len(inputs)]
+    freed = sum(record.nbytes for record in donated if record.error is None and not record.is_deleted)
+    session.add_new_arrays(output_handles, outputs, f"the {len(outputs)} result(s) of {program.name}", credit=freed)
 
     def run() -> None:
         check_arguments(program, [_facts(record) for record in inputs])
@@ -178,6 +178,7 @@ def execute(session, request, op_id):
             record.set(value)
         for record in donated:
             record.deleted = True
+            record.free()
 
     status = Pending() if options.fill_status else None
     session.after(inputs, run, outputs=outputs, on_error=status.fail if status else None)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from pathways_nb import __version__
 from pathways_nb.protocol import attributes, dtypes
 from pathways_nb.protocol.errors import InvalidRequest
@@ -91,6 +93,9 @@ def get_default_layout(session, request, op_id):
     dtype = dtypes.to_numpy(request.dtype.kind)
     if any(d < 0 for d in request.dims):
         raise InvalidRequest(f"negative dimension in {list(request.dims)}")
+    # (Zero dims do not save XLA, which multiplies the others first.)
+    if math.prod(max(d, 1) for d in request.dims) * dtype.itemsize >= 1 << 63:
+        raise InvalidRequest(f"an array of {dtype}{list(request.dims)} has more bytes than a 64-bit size can count")
     layout = session.runtime.default_layout(dtype, request.dims, request.device_id)
     return session.messages.proxy.GetDefaultLayoutResponse(serialized_pjrt_layout=layout)
 
