@@ -13,6 +13,8 @@ from collections.abc import Awaitable, Callable, Sequence
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from pathways_nb.security import ClusterCredentials
+
 SERVER_OPTIONS = [
     # gRPC's 4 MiB default is too small for compile requests of big programs.
     ("grpc.max_send_message_length", -1),
@@ -30,7 +32,9 @@ class BackgroundServer:
 
     ``register(server)`` runs on the loop before the server starts (as the
     generated ``add_XServicer_to_server`` functions expect); ``on_start`` and
-    ``on_stop`` run on the loop too.
+    ``on_stop`` run on the loop too. ``credentials`` decide whether callers need
+    the cluster token and whether the port speaks TLS (default: neither, and
+    then only a loopback ``host`` is allowed).
     """
 
     def __init__(
@@ -41,8 +45,11 @@ class BackgroundServer:
         host: str = "127.0.0.1",
         on_start: Callable[[], Awaitable[None]] | None = None,
         on_stop: Callable[[], Awaitable[None]] | None = None,
+        credentials: ClusterCredentials | None = None,
     ):
         self.host = host
+        self.credentials = credentials or ClusterCredentials()
+        self.credentials.check_bind(host, ", ".join(service_names) or "a gRPC server")
         self._on_stop = on_stop
         self._stopped = threading.Event()
         self.loop = asyncio.new_event_loop()
@@ -56,11 +63,11 @@ class BackgroundServer:
             raise
 
     async def _start(self, register: Register, service_names, host: str, port: int, on_start) -> int:
-        self._server = grpc.aio.server(options=SERVER_OPTIONS)
+        self._server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=self.credentials.server_interceptors())
         register(self._server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        bound = self._server.add_insecure_port(f"{host}:{port}")
+        bound = self.credentials.add_port(self._server, f"{host}:{port}")
         if bound == 0:
             raise OSError(f"cannot listen on {host}:{port}; is the port in use?")
         if on_start is not None:

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
 import time
 from collections.abc import Sequence
 
-from pathways_nb import __version__
+from pathways_nb import __version__, security
 
 
 def _serve_proxy(args: argparse.Namespace) -> int:
@@ -22,10 +23,13 @@ def _serve_proxy(args: argparse.Namespace) -> int:
     from pathways_nb.proxy.server import ProxyServer
 
     started = time.monotonic()
+    credentials = security.ClusterCredentials.from_args(args)
     if args.resource_manager_address:
         from pathways_nb.proxy.cluster_runtime import ClusterRuntime
 
-        runtime = ClusterRuntime(args.resource_manager_address, allocation_timeout_s=args.allocation_timeout)
+        runtime = ClusterRuntime(
+            args.resource_manager_address, allocation_timeout_s=args.allocation_timeout, credentials=credentials
+        )
         serving = f"the cluster of {args.resource_manager_address}"
         serving_cpu = True  # the proxy cannot see its workers' memory; their CPU devices are the default
     else:
@@ -39,7 +43,7 @@ def _serve_proxy(args: argparse.Namespace) -> int:
         session_host_buffer_bytes=_memory_share(args.session_host_buffer_bytes, 4),
         session_device_bytes=_memory_share(args.session_device_bytes, 2 if serving_cpu else 0),
     )
-    server = ProxyServer(runtime, port=args.server_port, host=args.host, limits=limits)
+    server = ProxyServer(runtime, port=args.server_port, host=args.host, limits=limits, credentials=credentials)
     return _serve(server, f"pathways-nb proxy serving {server.address} with {serving}", started, args.port_file)
 
 
@@ -61,7 +65,11 @@ def _serve_resource_manager(args: argparse.Namespace) -> int:
     started = time.monotonic()
     topology = Topology.parse(args.instance_count, args.instance_type) if args.instance_type else None
     server = ResourceManagerServer(
-        topology, port=args.server_port, host=args.host, worker_timeout_s=args.worker_timeout
+        topology,
+        port=args.server_port,
+        host=args.host,
+        worker_timeout_s=args.worker_timeout,
+        credentials=security.ClusterCredentials.from_args(args),
     )
     shape = f"{topology.islands} island(s) of {topology.instance_type}" if topology else "any workers"
     return _serve(server, f"pathways-nb resource manager at {server.address} for {shape}", started, args.port_file)
@@ -81,6 +89,7 @@ def _serve_worker(args: argparse.Namespace) -> int:
         port=args.server_port,
         host=args.host,
         advertise_address=args.advertise_address,
+        credentials=security.ClusterCredentials.from_args(args),
     )
     message = (
         f"pathways-nb worker {server.registration.worker_id} at {server.address} with "
@@ -90,6 +99,8 @@ def _serve_worker(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
+    import tempfile
+
     from pathways_nb.cluster import LocalCluster
 
     cluster = LocalCluster(
@@ -98,7 +109,14 @@ def _up(args: argparse.Namespace) -> int:
         devices_per_host=args.devices_per_host,
         port=args.port,
         platform=args.platform,
+        token=security.ClusterCredentials.from_args(args).token,
     )
+    token_directory = None
+    token_file = args.token_file
+    if token_file is None:  # tell the user where the token is, never the token itself
+        token_directory = tempfile.TemporaryDirectory(prefix="pathways-nb-token-")
+        token_file = os.path.join(token_directory.name, "token")
+        security.write_token_file(token_file, cluster.token)
     stopped = threading.Event()
     _stop_on_signals(lambda: stopped.set())
     spec = cluster.spec
@@ -107,6 +125,7 @@ def _up(args: argparse.Namespace) -> int:
         f"host(s) x {spec.devices_per_host} {spec.platform} device(s), started in {cluster.startup_s:.1f} s\n"
         f"  connect with: pathways_nb.connect({cluster.address!r})\n"
         f"  or: JAX_PLATFORMS=proxy JAX_BACKEND_TARGET={cluster.address} python ...\n"
+        f"  the cluster views need its token: export {security.TOKEN_ENV}=$(cat {token_file})\n"
         "  Ctrl-C stops it.",
         flush=True,
     )
@@ -114,6 +133,8 @@ def _up(args: argparse.Namespace) -> int:
         stopped.wait()
     finally:
         cluster.close()
+        if token_directory is not None:
+            token_directory.cleanup()
     return 0
 
 
@@ -196,6 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=60.0,
         help="seconds a new session waits for devices before its connection fails",
     )
+    # Its port also serves the IFRT protocol, whose stock client speaks plaintext only: no --tls_cert.
+    security.add_arguments(proxy, serve_tls=False, call_tls=True)
     proxy.set_defaults(run=_serve_proxy)
 
     rm = commands.add_parser(
@@ -214,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--worker_timeout", type=float, default=3.0, help="seconds without heartbeat before a worker is dead"
     )
     rm.add_argument("--port_file", default=None, help="write the bound port to this file once serving")
+    security.add_arguments(rm, serve_tls=True, call_tls=False)
     rm.set_defaults(run=_serve_resource_manager)
 
     worker = commands.add_parser("worker", parents=[common], help="serve this host's devices to a cluster")
@@ -228,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--devices", type=int, default=None, help="number of CPU devices to create (CPU only)")
     worker.add_argument("--platform", default="cpu", help="local platform: cpu, cuda, rocm, tpu, or auto")
     worker.add_argument("--port_file", default=None, help="write the bound port to this file once serving")
+    security.add_arguments(worker, serve_tls=True, call_tls=True)
     worker.set_defaults(run=_serve_worker)
 
     up = commands.add_parser("up", parents=[common], help="start a whole cluster on this machine (Ctrl-C stops it)")
@@ -236,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--devices-per-host", dest="devices_per_host", type=int, default=4, help="devices per host")
     up.add_argument("--port", type=int, default=29000, help="the proxy's port; 0 picks a free one")
     up.add_argument("--platform", default="cpu", help="the workers' platform")
+    security.add_arguments(up, serve_tls=False, call_tls=False)
     up.set_defaults(run=_up)
 
     kernel = commands.add_parser("kernel", parents=[common], help="the Jupyter kernel")

@@ -20,6 +20,7 @@ from pathways_nb import jax_plugin, tables
 from pathways_nb.errors import ConnectionFailed, PathwaysError
 from pathways_nb.observe import Observer, ObserveUnavailable
 from pathways_nb.rpc import cluster_pb2 as pb
+from pathways_nb.security import generate_token, token_from_env
 from pathways_nb.session_options import SessionOptions, default_tenant
 from pathways_nb.timeline import DeviceLabel, Timeline
 
@@ -51,12 +52,24 @@ class Session:
     was last fetched.
     """
 
-    def __init__(self, address: str, devices: list, platform: str, runtime: str, tenant: str):
+    def __init__(
+        self,
+        address: str,
+        devices: list,
+        platform: str,
+        runtime: str,
+        tenant: str,
+        *,
+        token: str | None = None,
+        secret: str = "",
+    ):
         self.address = address
         self.devices = devices
         self.platform = platform
         self.runtime = runtime
         self.tenant = tenant
+        self.token = token  # the cluster token, for the observe API
+        self.secret = secret  # what this connection sent, so that it can end its own sessions
         # A LocalCluster started for this session (%pathways connect local): stopped with it.
         self.local_cluster = None
         self._observer: Observer | None = None
@@ -66,7 +79,7 @@ class Session:
     @property
     def observer(self) -> Observer:
         if self._observer is None:
-            self._observer = Observer(self.address)
+            self._observer = Observer(self.address, self.token)
         return self._observer
 
     def state(self) -> pb.ClusterState:
@@ -165,6 +178,7 @@ def connect(
     islands: Sequence[int] = (),
     tenant: str | None = None,
     progress: bool = True,
+    token: str | None = None,
 ) -> Session:
     """Makes ``jax.devices()`` the devices of the cluster at ``address``.
 
@@ -172,7 +186,9 @@ def connect(
     default the session shares every device of the cluster with other
     tenants; ``exclusive=True`` waits until nobody else holds them (a progress
     bar says for whom it waits), ``num_devices`` and ``islands`` ask for part
-    of the cluster. Raises ``ConnectionFailed`` (JAX left on its previous
+    of the cluster. ``token`` is the cluster token its views (the observe API)
+    need; default: that of this process's ``LocalCluster`` at ``address``, else
+    ``$PATHWAYS_CLUSTER_TOKEN``. Raises ``ConnectionFailed`` (JAX left on its previous
     devices) if the server does not answer, or the devices are not free,
     within ``timeout_s`` seconds.
     """
@@ -189,7 +205,11 @@ def connect(
         num_devices=num_devices,
         islands=tuple(islands),
         timeout_s=timeout_s,
+        secret=generate_token(),
     )
+    from pathways_nb import cluster
+
+    token = token or cluster.token_for(address) or token_from_env()
     previous = _Previous(jax.config.jax_platforms, jax.config.read("jax_backend_target"))
     os.environ[jax_plugin.INSECURE_ENV] = "true"
     # The client waits a little longer than the server, so that the server's reason arrives.
@@ -200,13 +220,15 @@ def connect(
     jax.config.update("jax_backend_target", address)
     jax_plugin.register()
     try:
-        devices = _devices_showing_the_wait(address, options, progress)
+        devices = _devices_showing_the_wait(address, options, progress, token)
     except Exception as e:  # noqa: BLE001 - JAX wraps connection errors in RuntimeError
         _restore(previous)
         raise ConnectionFailed(address, timeout_s, _reason(e)) from None
     jax.clear_caches()
     proxy = backend.get_backend(jax_plugin.PLATFORM)
-    session = Session(address, devices, proxy.platform, proxy.runtime_type, options.tenant)
+    session = Session(
+        address, devices, proxy.platform, proxy.runtime_type, options.tenant, token=token, secret=options.secret
+    )
     try:
         session.state()
     except PathwaysError as error:  # a server without the observe API (Pathways on Cloud)
@@ -216,7 +238,7 @@ def connect(
     return session
 
 
-def _devices_showing_the_wait(address: str, options: SessionOptions, progress: bool) -> list:
+def _devices_showing_the_wait(address: str, options: SessionOptions, progress: bool, token: str | None) -> list:
     """``jax.devices("proxy")``, with a progress bar if the cluster makes the session wait."""
     import jax
 
@@ -234,7 +256,7 @@ def _devices_showing_the_wait(address: str, options: SessionOptions, progress: b
     bar = None
     try:
         while thread.is_alive():
-            reason = _queue_position(address, options.tenant)
+            reason = _queue_position(address, options.tenant, token)
             if reason and progress:
                 if bar is None:
                     from tqdm.auto import tqdm
@@ -251,9 +273,9 @@ def _devices_showing_the_wait(address: str, options: SessionOptions, progress: b
     return result["devices"]
 
 
-def _queue_position(address: str, tenant: str) -> str | None:
+def _queue_position(address: str, tenant: str, token: str | None) -> str | None:
     """Why this tenant waits, as the cluster's queue says (None if it does not wait)."""
-    observer = Observer(address)
+    observer = Observer(address, token)
     try:
         state = observer.state()
     except PathwaysError:
@@ -285,7 +307,7 @@ def disconnect() -> None:
 def _end_sessions(session: Session) -> None:
     """Asks the proxy to end this tenant's sessions now: arrays still held here would keep them open."""
     try:
-        session.observer.end_sessions(session.tenant)
+        session.observer.end_sessions(session.tenant, session.secret)
     except PathwaysError as error:
         _LOGGER.info("could not end the session at %s: %s", session.address, error)
     session.observer.close()

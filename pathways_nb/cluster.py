@@ -9,15 +9,15 @@ watches its parent), so no process is left behind.
 from __future__ import annotations
 
 import atexit
+import os
 import time
 import weakref
 from dataclasses import dataclass
 
-import grpc
-
 from pathways_nb.processes import ChildServer, Status
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
+from pathways_nb.security import ClusterCredentials, generate_token
 
 _LIVE: weakref.WeakSet[LocalCluster] = weakref.WeakSet()
 
@@ -58,8 +58,14 @@ class LocalCluster:
         port: int = 0,
         platform: str = "cpu",
         start: bool = True,
+        token: str | None = None,
     ):
         self.spec = ClusterSpec(islands, hosts_per_island, devices_per_host, platform)
+        # The cluster token its internal endpoints require (None: a fresh random one); children get it
+        # in their environment, never on their command line.
+        self.token = token or generate_token()
+        self.credentials = ClusterCredentials(token=self.token)
+        self._child_env = {**os.environ, **self.credentials.child_env()}
         self.spec.check()
         self.port = port
         self.status = Status.created
@@ -92,6 +98,7 @@ class LocalCluster:
                     "--instance_type",
                     f"{spec.platform}:{spec.hosts_per_island}x{spec.devices_per_host}",
                 ],
+                env=self._child_env,
             )
             self.resource_manager.start(timeout_s)
             for island in range(spec.islands):
@@ -110,6 +117,7 @@ class LocalCluster:
                     "--resource_manager_address",
                     self.resource_manager.hostport,
                 ],
+                env=self._child_env,
             )
             self.proxy.start(timeout_s)
             self._wait_for_workers(timeout_s)
@@ -140,6 +148,7 @@ class LocalCluster:
                 "--platform",
                 self.spec.platform,
             ],
+            env=self._child_env,
         )
 
     def _wait_for_workers(self, timeout_s: float) -> None:
@@ -185,7 +194,7 @@ class LocalCluster:
 
     def state(self) -> pb.ClusterState:
         """The resource manager's view: workers, devices, health, allocations."""
-        with grpc.insecure_channel(self.resource_manager_address) as channel:
+        with self.credentials.channel(self.resource_manager_address) as channel:
             stub = cluster_pb2_grpc.ResourceManagerStub(channel)
             return stub.GetClusterState(pb.ClusterStateRequest(), timeout=10)
 
@@ -212,6 +221,14 @@ class LocalCluster:
             f"<LocalCluster {self.status.value}{where}: {spec.islands} island(s) x {spec.hosts_per_island} host(s) "
             f"x {spec.devices_per_host} {spec.platform} device(s)>"
         )
+
+
+def token_for(address: str) -> str | None:
+    """The token of the running ``LocalCluster`` of this process whose proxy is at ``address``, if any."""
+    for cluster in list(_LIVE):
+        if cluster.status is Status.running and cluster.address == address:
+            return cluster.token
+    return None
 
 
 @atexit.register

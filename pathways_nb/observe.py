@@ -2,7 +2,8 @@
 
 A cluster that is not a pathways-nb cluster (Google's Pathways on Cloud, say)
 does not offer the service; ``ObserveUnavailable`` says so, and callers fall
-back to what ``jax.devices()`` tells.
+back to what ``jax.devices()`` tells. A pathways-nb cluster's observe API
+needs its token (see ``pathways_nb.security``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import grpc
 from pathways_nb.errors import PathwaysError
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
+from pathways_nb.security import TOKEN_ENV, ClusterCredentials, token_from_env
 
 
 class ObserveUnavailable(PathwaysError):
@@ -22,11 +24,12 @@ class ObserveUnavailable(PathwaysError):
 
 
 class Observer:
-    """The observe service at a proxy's address."""
+    """The observe service at a proxy's address, called with the cluster ``token`` (default: its variable)."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, token: str | None = None):
         self.address = address
-        self._channel = grpc.insecure_channel(address.removeprefix("grpc://"))
+        credentials = ClusterCredentials(token=token or token_from_env())
+        self._channel = credentials.channel(address.removeprefix("grpc://"))
         self._stub = cluster_pb2_grpc.ObserveStub(self._channel)
 
     def _call(self, method, request, timeout_s: float = 10.0):
@@ -38,6 +41,12 @@ class Observer:
                     f"{self.address} does not offer the pathways-nb observe API (it is not a pathways-nb "
                     "cluster, e.g. Pathways on Cloud): devices and islands come from jax.devices(); "
                     "allocations and timelines are unavailable"
+                ) from None
+            if error.code() == grpc.StatusCode.UNAUTHENTICATED:
+                raise PathwaysError(
+                    f"the observe API at {self.address} refused the call ({error.details()}): pass the cluster's "
+                    f"token, pathways_nb.connect(..., token=...) or %pathways connect ... --token, or set {TOKEN_ENV} "
+                    "(pathways-nb up prints where its token is)"
                 ) from None
             raise PathwaysError(f"the server at {self.address} did not answer: {error.details()}") from None
 
@@ -68,8 +77,9 @@ class Observer:
         thread.start()
         return thread
 
-    def end_sessions(self, tenant: str) -> int:
-        return self._call(self._stub.EndSessions, pb.EndSessionsRequest(tenant=tenant)).ended
+    def end_sessions(self, tenant: str, secret: str) -> int:
+        """Ends the sessions of ``tenant`` whose connection sent ``secret``; returns how many."""
+        return self._call(self._stub.EndSessions, pb.EndSessionsRequest(tenant=tenant, secret=secret)).ended
 
     def close(self) -> None:
         self._channel.close()

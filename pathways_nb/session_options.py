@@ -12,12 +12,13 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
-TENANT, EXCLUSIVE, DEVICES, ISLANDS, TIMEOUT = (
+TENANT, EXCLUSIVE, DEVICES, ISLANDS, TIMEOUT, SECRET = (
     "pathways_tenant",
     "pathways_exclusive",
     "pathways_devices",
     "pathways_islands",
     "pathways_allocation_timeout_s",
+    "pathways_session_secret",
 )
 
 
@@ -37,6 +38,8 @@ class SessionOptions:
     num_devices: int = 0  # 0: every device (of the chosen islands)
     islands: tuple[int, ...] = ()  # empty: any
     timeout_s: float = 60.0  # how long to wait for devices
+    # Random per connection: proves to the proxy's EndSessions that a session is the caller's own.
+    secret: str = field(default="", repr=False)
 
     def to_initialization_data(self) -> dict[str, bytes | bool | int]:
         return {
@@ -45,6 +48,7 @@ class SessionOptions:
             DEVICES: self.num_devices,
             ISLANDS: ",".join(str(i) for i in self.islands).encode(),
             TIMEOUT: max(1, round(self.timeout_s)),
+            SECRET: self.secret.encode(),
         }
 
     @classmethod
@@ -63,4 +67,5 @@ class SessionOptions:
             num_devices=int(attributes.get(DEVICES, 0)),
             islands=tuple(int(i) for i in text(ISLANDS, "").split(",") if i.strip()),
             timeout_s=float(attributes.get(TIMEOUT, default_timeout_s)),
+            secret=text(SECRET, ""),
         )

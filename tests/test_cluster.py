@@ -15,6 +15,7 @@ import pytest
 from pathways_nb.cluster import LocalCluster
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
+from pathways_nb.security import TOKEN_ENV
 from pathways_nb.testing import python_process
 
 
@@ -102,7 +103,8 @@ WAIT = """
 
 
 def test_exclusive_use_queues_others_and_times_out(island_cluster):
-    holder = python_process(HOLD, island_cluster.address)
+    # The token lets disconnect() end the session through the observe API.
+    holder = python_process(HOLD, island_cluster.address, env={TOKEN_ENV: island_cluster.token})
     try:
         assert holder.stdout.readline().strip() == "holding"
         waiter = python_process(WAIT, island_cluster.address)
@@ -173,7 +175,7 @@ def test_dead_worker_fails_its_island_fast_and_rejoins(island_cluster):
 
 
 def test_malformed_messages_to_resource_manager_and_worker(island_cluster):
-    with grpc.insecure_channel(island_cluster.resource_manager_address) as channel:
+    with island_cluster.credentials.channel(island_cluster.resource_manager_address) as channel:
         garbage = channel.unary_unary("/pathways_nb.v1.ResourceManager/RegisterWorker")
         with pytest.raises(grpc.RpcError) as error:
             garbage(b"\xff\xfe not a protobuf", timeout=10)
@@ -188,7 +190,7 @@ def test_malformed_messages_to_resource_manager_and_worker(island_cluster):
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "99 devices" in error.value.details()
         assert len(stub.GetClusterState(pb.ClusterStateRequest(), timeout=10).workers) == 2
     worker_address = island_cluster.workers[(0, 0)].hostport
-    with grpc.insecure_channel(worker_address) as channel:
+    with island_cluster.credentials.channel(worker_address) as channel:
         session = channel.stream_stream("/pathways_nb.v1.Worker/Session")
         with pytest.raises(grpc.RpcError):
             list(session(iter([b"\x0a\xff\xff\xff"]), timeout=10))
@@ -206,7 +208,7 @@ def test_malformed_messages_to_resource_manager_and_worker(island_cluster):
 
 
 def test_malformed_messages_to_observe_api(island_cluster):
-    with grpc.insecure_channel(island_cluster.address.removeprefix("grpc://")) as channel:
+    with island_cluster.credentials.channel(island_cluster.address.removeprefix("grpc://")) as channel:
         garbage = channel.unary_unary("/pathways_nb.v1.Observe/GetEvents")
         with pytest.raises(grpc.RpcError) as error:
             garbage(b"\xff\xfe not a protobuf", timeout=10)

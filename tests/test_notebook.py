@@ -53,7 +53,7 @@ def test_connect_to_nothing_fails_in_one_line(kernel):
 
 
 def test_connect_run_and_look(kernel, cluster):
-    out = kernel.run(f"%pathways connect {cluster.address} --tenant notebook-test")
+    out = kernel.run(f"%pathways connect {cluster.address} --tenant notebook-test --token {cluster.token}")
     assert not out["errors"], out
     assert cluster.address in out["data"][-1]["text/html"]
     assert "notebook-test" in out["data"][-1]["text/html"]
@@ -123,7 +123,7 @@ def test_already_connected_then_disconnect_and_reconnect(kernel, cluster):
     assert "disconnected from" in kernel.run("%pathways disconnect")["stdout"]
     out = kernel.run("import jax; print(jax.devices()[0].client.runtime_type)")
     assert "proxy" not in out["stdout"]
-    out = kernel.run(f"%pathways connect {cluster.address}")
+    out = kernel.run(f"%pathways connect {cluster.address} --token {cluster.token}")
     assert not out["errors"]
     assert kernel.run("print(len(jax.devices()))")["stdout"].strip() == "8"
     kernel.run("%pathways disconnect")

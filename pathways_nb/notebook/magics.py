@@ -1,6 +1,6 @@
 """The ``%pathways`` line magic: connect, look at the cluster, time the steps.
 
-    %pathways connect ADDRESS [--exclusive] [--devices N] [--only-islands 0,1] [--tenant T] [--timeout S]
+    %pathways connect ADDRESS [--exclusive] [--devices N] [--only-islands 0,1] [--tenant T] [--timeout S] [--token T]
     %pathways connect local [--islands I] [--hosts-per-island H] [--devices-per-host D]
     %pathways disconnect | status | devices | islands | allocations | help
     %pathways timeline [--live] [--last N]
@@ -49,6 +49,7 @@ def _parser() -> _Parser:
     connect.add_argument("--only-islands", default="", help="which islands, e.g. 0,1 (default: any)")
     connect.add_argument("--tenant", default=None, help="your name in the allocation table")
     connect.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the server and devices")
+    connect.add_argument("--token", default=None, help="the cluster token (default: $PATHWAYS_CLUSTER_TOKEN)")
     connect.add_argument("--islands", type=int, default=2, help="local: number of islands")
     connect.add_argument("--hosts-per-island", type=int, default=1, help="local: hosts per island")
     connect.add_argument("--devices-per-host", type=int, default=4, help="local: devices per host")
@@ -118,6 +119,7 @@ class PathwaysMagics(Magics):
                 num_devices=args.devices,
                 islands=[int(i) for i in args.only_islands.split(",") if i.strip()],
                 tenant=args.tenant,
+                token=args.token,
             )
         except (PathwaysError, ValueError) as error:
             if cluster is not None:

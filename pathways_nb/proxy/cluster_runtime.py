@@ -45,6 +45,7 @@ from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
 from pathways_nb.rpc.convert import array_meta, program_from_proto
 from pathways_nb.runtime_api import DeviceDescription, ProgramInfo, check_assemble_parts
+from pathways_nb.security import ClusterCredentials
 from pathways_nb.session_options import SessionOptions
 
 _LOGGER = logging.getLogger(__name__)
@@ -68,11 +69,14 @@ class RemoteProgram(ProgramInfo):
 class ClusterRuntime:
     """A cluster reached through its resource manager at ``rm_address``."""
 
-    def __init__(self, rm_address: str, allocation_timeout_s: float = 60.0):
+    def __init__(
+        self, rm_address: str, allocation_timeout_s: float = 60.0, credentials: ClusterCredentials | None = None
+    ):
         self.rm_address = rm_address
         self.allocation_timeout_s = allocation_timeout_s
         self.key = f"proxy-{uuid.uuid4().hex[:8]}"
-        self._channel = grpc.insecure_channel(rm_address)
+        self.credentials = credentials or ClusterCredentials()
+        self._channel = self.credentials.channel(rm_address)
         self._rm = cluster_pb2_grpc.ResourceManagerStub(self._channel)
         self._lock = threading.Lock()
         self._program_ids = itertools.count(1)
@@ -147,7 +151,7 @@ class ClusterRuntime:
             if link is None or not link.alive or link.incarnation != worker.incarnation:
                 if link is not None:
                     link.close()
-                link = WorkerLink(worker, f"{self.key}-control-{worker.incarnation}")
+                link = WorkerLink(worker, f"{self.key}-control-{worker.incarnation}", credentials=self.credentials)
                 self._control[worker.worker_id] = link
             return link
 
@@ -328,7 +332,10 @@ class ClusterSession:
             if link is not None:
                 link.close()
             link = WorkerLink(
-                device, f"{self.cluster.key}-s{self.session_id}-{device.incarnation}", self._worker_events
+                device,
+                f"{self.cluster.key}-s{self.session_id}-{device.incarnation}",
+                self._worker_events,
+                credentials=self.cluster.credentials,
             )
             self._links[device.worker_id] = link
             return link

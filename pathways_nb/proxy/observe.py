@@ -25,9 +25,16 @@ class ObserveService(cluster_pb2_grpc.ObserveServicer):
         self.service = service
 
     async def EndSessions(self, request, context):
+        """Ends the caller's own sessions: those of ``tenant`` whose connection sent ``secret``."""
         if not request.tenant:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "name the tenant whose sessions to end")
-        return pb.EndSessionsResponse(ended=self.service.end_tenant(request.tenant))
+        if not request.secret:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "pass the secret the sessions' connection sent (pathways_nb.connect makes one): "
+                "a client ends only its own sessions",
+            )
+        return pb.EndSessionsResponse(ended=self.service.end_tenant(request.tenant, request.secret.encode()))
 
     async def WatchEvents(self, request, context):
         """Events after ``request.after``, then new ones, polled a few times a second."""

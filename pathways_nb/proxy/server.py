@@ -8,12 +8,20 @@ from pathways_nb.proxy.context import ProxyContext, ProxyLimits
 from pathways_nb.proxy.service import SERVICE_NAME, IfrtProxyService
 from pathways_nb.rpc import cluster_pb2_grpc
 from pathways_nb.runtime_api import Runtime
+from pathways_nb.security import ClusterCredentials
 
 
 class ProxyServer:
     """An IFRT proxy server on ``host:port`` (port 0 picks a free one), serving once constructed."""
 
-    def __init__(self, runtime: Runtime, port: int = 0, host: str = "127.0.0.1", limits: ProxyLimits | None = None):
+    def __init__(
+        self,
+        runtime: Runtime,
+        port: int = 0,
+        host: str = "127.0.0.1",
+        limits: ProxyLimits | None = None,
+        credentials: ClusterCredentials | None = None,
+    ):
         self.context = ProxyContext(runtime, limits)
         self.service = IfrtProxyService(self.context)
         try:
@@ -25,7 +33,12 @@ class ProxyServer:
                 cluster_pb2_grpc.add_ObserveServicer_to_server(observer, server)
 
             self._server = BackgroundServer(
-                register, [SERVICE_NAME, observe.SERVICE_NAME], port, host, on_stop=self._close_sessions
+                register,
+                [SERVICE_NAME, observe.SERVICE_NAME],
+                port,
+                host,
+                on_stop=self._close_sessions,
+                credentials=credentials,
             )
         except BaseException:
             self.context.close()

@@ -10,6 +10,7 @@ more threads than the loop's own.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import itertools
 import logging
 import threading
@@ -176,13 +177,16 @@ class IfrtProxyService:
         if session is not None:
             session.close(f"session {session_id} ended: {reason}")
 
-    def end_tenant(self, tenant: str) -> int:
-        """Ends every session of ``tenant`` (its client asked to disconnect); returns how many."""
+    def end_tenant(self, tenant: str, secret: bytes) -> int:
+        """Ends the sessions of ``tenant`` whose connection sent ``secret`` (its client asked to disconnect).
+
+        Returns how many; a session that sent no secret is never ended this way.
+        """
         with self._sessions_lock:
             ended = [
                 (session_id, self._outboxes.get(session_id))
                 for session_id, session in self._sessions.items()
-                if session.tenant == tenant
+                if session.tenant == tenant and session.secret and hmac.compare_digest(session.secret, secret)
             ]
         for session_id, outbox in ended:
             if outbox is not None:

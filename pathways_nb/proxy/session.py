@@ -117,6 +117,12 @@ class Session:
         text = value.decode(errors="replace") if isinstance(value, bytes) else str(value)
         return text or f"session-{self.session_id}"
 
+    @property
+    def secret(self) -> bytes:
+        """The per-connection secret its client sent (``pathways_nb.connect`` makes one; empty: none)."""
+        value = self.init_attributes.get(session_options.SECRET, b"")
+        return value if isinstance(value, bytes) else str(value).encode()
+
     # -- serving ---------------------------------------------------------------------------
 
     def handle(self, request) -> None:

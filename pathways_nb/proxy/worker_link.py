@@ -23,6 +23,7 @@ from pathways_nb.aio_server import SERVER_OPTIONS
 from pathways_nb.protocol.errors import RequestError, Unavailable
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
+from pathways_nb.security import ClusterCredentials
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -38,7 +39,11 @@ class WorkerLink:
     """One session's ordered command stream to one worker."""
 
     def __init__(
-        self, worker: pb.Device, session_key: str, on_events: Callable[[WorkerLink, list], None] | None = None
+        self,
+        worker: pb.Device,
+        session_key: str,
+        on_events: Callable[[WorkerLink, list], None] | None = None,
+        credentials: ClusterCredentials | None = None,
     ):
         self.worker_id = worker.worker_id
         self.address = worker.worker_address
@@ -57,7 +62,7 @@ class WorkerLink:
         self._ids = itertools.count(1)
         self._requests = itertools.count(1)
         self._waiters: dict[int, tuple[Future, bytearray | None]] = {}
-        self._channel = grpc.insecure_channel(self.address, options=SERVER_OPTIONS)
+        self._channel = (credentials or ClusterCredentials()).channel(self.address, options=SERVER_OPTIONS)
         self._call = cluster_pb2_grpc.WorkerStub(self._channel).Session(self._batches())
         self._reader = threading.Thread(target=self._read, name=f"pathways-link-{self.worker_id}", daemon=True)
         self._reader.start()

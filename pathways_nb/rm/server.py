@@ -6,6 +6,7 @@ from pathways_nb.aio_server import BackgroundServer
 from pathways_nb.rm.service import SERVICE_NAME, ResourceManagerService
 from pathways_nb.rm.topology import Topology
 from pathways_nb.rpc import cluster_pb2_grpc
+from pathways_nb.security import ClusterCredentials
 
 
 class ResourceManagerServer:
@@ -18,6 +19,7 @@ class ResourceManagerServer:
         host: str = "127.0.0.1",
         worker_timeout_s: float = 3.0,
         heartbeat_interval_s: float = 0.5,
+        credentials: ClusterCredentials | None = None,
     ):
         self.service = ResourceManagerService(topology, worker_timeout_s, heartbeat_interval_s)
 
@@ -31,6 +33,7 @@ class ResourceManagerServer:
             host,
             on_start=start,
             on_stop=self.service.stop,
+            credentials=credentials,
         )
         self.host, self.port = host, self._server.port
 

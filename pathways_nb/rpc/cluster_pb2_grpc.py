@@ -324,6 +324,7 @@ class ObserveServicer:
     def EndSessions(self, request, context):
         """Ends a tenant's sessions now (pathways_nb.disconnect), freeing their arrays and devices
         even while the client process still holds arrays that keep its IFRT client alive.
+        Only the sessions whose connection sent the same secret end: a tenant ends only its own.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

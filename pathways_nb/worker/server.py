@@ -18,6 +18,7 @@ import grpc
 from pathways_nb.aio_server import BackgroundServer
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
+from pathways_nb.security import ClusterCredentials
 from pathways_nb.worker.runtime import LocalRuntime
 from pathways_nb.worker.service import SERVICE_NAME, WorkerService, local_devices
 
@@ -37,19 +38,22 @@ class WorkerServer:
         host: str = "127.0.0.1",
         advertise_address: str | None = None,
         register_timeout_s: float = 60.0,
+        credentials: ClusterCredentials | None = None,
     ):
+        credentials = credentials or ClusterCredentials()
         self.runtime = runtime
         self.island, self.host_index = island, host_index
-        self.service = WorkerService(runtime)
+        self.service = WorkerService(runtime, credentials=credentials)
         self._server = BackgroundServer(
             lambda server: cluster_pb2_grpc.add_WorkerServicer_to_server(self.service, server),
             [SERVICE_NAME],
             port,
             host,
+            credentials=credentials,
         )
         self.port = self._server.port
         self.advertised = f"{advertise_address or host}:{self.port}"
-        self._rm = cluster_pb2_grpc.ResourceManagerStub(grpc.insecure_channel(resource_manager_address))
+        self._rm = cluster_pb2_grpc.ResourceManagerStub(credentials.channel(resource_manager_address))
         self._stopped = threading.Event()
         self.registration = self._register(register_timeout_s)
         self._heartbeats = threading.Thread(target=self._heartbeat_forever, name="pathways-heartbeat", daemon=True)

@@ -22,6 +22,7 @@ from pathways_nb.aio_server import SERVER_OPTIONS
 from pathways_nb.protocol.errors import RequestError, as_request_error
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
+from pathways_nb.security import ClusterCredentials
 from pathways_nb.worker.programs import Programs
 from pathways_nb.worker.runtime import LocalRuntime
 from pathways_nb.worker.session import CHUNK_BYTES, WorkerSession
@@ -81,8 +82,9 @@ class _Replies:
 
 
 class WorkerService(cluster_pb2_grpc.WorkerServicer):
-    def __init__(self, runtime: LocalRuntime, threads: int = 8):
+    def __init__(self, runtime: LocalRuntime, threads: int = 8, credentials: ClusterCredentials | None = None):
         self.runtime = runtime
+        self.credentials = credentials or ClusterCredentials()
         self.programs = Programs(runtime)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="pathways-worker")
         self.sessions: dict[str, WorkerSession] = {}
@@ -173,7 +175,7 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
         with self._peers_lock:
             stub = self._peers.get(address)
             if stub is None:
-                stub = cluster_pb2_grpc.WorkerStub(grpc.insecure_channel(address, options=SERVER_OPTIONS))
+                stub = cluster_pb2_grpc.WorkerStub(self.credentials.channel(address, options=SERVER_OPTIONS))
                 self._peers[address] = stub
             return stub
 
