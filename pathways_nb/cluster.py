@@ -3,21 +3,30 @@
 ``LocalCluster(islands=2, devices_per_host=4)`` starts them on 127.0.0.1 and
 gives the address to connect to; leaving the ``with`` block, ``close()``,
 interpreter exit or the death of this process stops them all (each child
-watches its parent), so no process is left behind.
+watches its parent), so no process is left behind. While it runs, a process
+that dies is noticed at once, reported with its cause and started again
+(``pathways_nb.supervisor``): a crashed worker costs its island a few seconds,
+and the island serves again by itself.
 """
 
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import time
 import weakref
 from dataclasses import dataclass
 
+import grpc
+
 from pathways_nb.processes import ChildServer, Status
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
 from pathways_nb.security import ClusterCredentials, generate_token
+from pathways_nb.supervisor import ChildExit, Supervisor
+
+_LOGGER = logging.getLogger(__name__)
 
 _LIVE: weakref.WeakSet[LocalCluster] = weakref.WeakSet()
 
@@ -71,6 +80,7 @@ class LocalCluster:
         self.status = Status.created
         self.startup_s: float | None = None
         self.resource_manager: ChildServer | None = None
+        self.supervisor: Supervisor | None = None
         self.workers: dict[tuple[int, int], ChildServer] = {}
         self.proxy: ChildServer | None = None
         if start:
@@ -121,6 +131,7 @@ class LocalCluster:
             )
             self.proxy.start(timeout_s)
             self._wait_for_workers(timeout_s)
+            self._supervise()
         except BaseException:
             self.status = Status.failed
             self.close()
@@ -166,6 +177,8 @@ class LocalCluster:
         if self.status is Status.closed:
             return
         self.status = Status.closing
+        if self.supervisor is not None:
+            self.supervisor.close()
         for child in [self.proxy, *self.workers.values(), self.resource_manager]:
             if child is not None:
                 child.close()
@@ -206,10 +219,52 @@ class LocalCluster:
             worker.process.wait()
 
     def restart_worker(self, island: int, host: int = 0, timeout_s: float = 60.0) -> None:
-        """Starts a fresh worker for an island whose worker died; it rejoins the cluster."""
-        self.workers[(island, host)].close()
-        self.workers[(island, host)] = worker = self._worker(island, host)
-        worker.start(timeout_s)
+        """Replaces a worker process (killing it if it still runs) and waits until the new one has rejoined."""
+        worker = self.workers[(island, host)]
+        old_pid = worker.process.pid
+        if worker.alive():
+            self.kill_worker(island, host)
+        self.wait_for_worker(island, host, timeout_s, not_pid=old_pid)
+
+    def wait_for_worker(self, island: int, host: int = 0, timeout_s: float = 60.0, not_pid: int = 0) -> None:
+        """Waits until the worker of ``island``/``host`` is registered and healthy (and not process ``not_pid``)."""
+        deadline = time.monotonic() + timeout_s
+        worker_id = f"island{island}-host{host}"
+        while True:
+            state = self.state()
+            if any(w.worker_id == worker_id and w.healthy and w.pid != not_pid for w in state.workers):
+                return
+            if time.monotonic() > deadline:
+                log = self.workers[(island, host)].log_tail()
+                raise TimeoutError(f"{worker_id} did not come back within {timeout_s:g} s; its last output:\n{log}")
+            time.sleep(0.05)
+
+    @property
+    def exits(self) -> list[ChildExit]:
+        """Every unexpected end of one of the cluster's processes so far (each was restarted)."""
+        return list(self.supervisor.exits) if self.supervisor is not None else []
+
+    def _supervise(self) -> None:
+        """Restarts any process of the cluster that dies; the resource manager and the proxy keep their ports."""
+        self.supervisor = Supervisor(on_exit=self._report_exit)
+        self.supervisor.watch(self.resource_manager, keep_port=True)
+        for worker in self.workers.values():
+            self.supervisor.watch(worker)
+        self.supervisor.watch(self.proxy, keep_port=True)
+
+    def _report_exit(self, child: ChildServer, ended: ChildExit) -> None:
+        """Tells the resource manager that a worker's process ended: its island is down at once, with the cause."""
+        place = next((key for key, worker in self.workers.items() if worker is child), None)
+        if place is None:
+            return
+        report = pb.WorkerExitReport(
+            island=place[0], host_index=place[1], pid=ended.pid, reason=f"its process {ended.description}"
+        )
+        try:
+            with self.credentials.channel(self.resource_manager_address) as channel:
+                cluster_pb2_grpc.ResourceManagerStub(channel).ReportWorkerExit(report, timeout=5)
+        except grpc.RpcError as error:
+            _LOGGER.info("could not report the end of %s: %s", child.name, error.details())
 
     def processes(self) -> list[ChildServer]:
         return [c for c in [self.resource_manager, *self.workers.values(), self.proxy] if c is not None]

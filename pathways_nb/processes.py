@@ -3,7 +3,9 @@
 Every server command (``pathways-nb proxy``, later the resource manager and
 workers) accepts ``--port_file``: once it listens it writes its port there.
 ``ChildServer`` waits for that file (or the child's early death, with its log),
-and stops the child with SIGTERM, then SIGKILL, decoding how it ended.
+and stops the child with SIGTERM, then SIGKILL, decoding how it ended. A child
+can be started again (``relaunch``) on the port it had, so that whoever knew its
+address finds it there again; its log keeps every run's output.
 """
 
 from __future__ import annotations
@@ -89,14 +91,25 @@ class ChildServer:
         self.launch()
         self.wait_started(timeout_s)
 
-    def launch(self) -> None:
+    def launch(self, arguments: Sequence[str] | None = None) -> None:
         """Starts the child without waiting (start several, then ``wait_started`` each)."""
+        if self.status in (Status.closing, Status.closed):
+            raise ServerStartError(f"{self.name} is being stopped; it is not started again")
         self.status = Status.starting
         self._port_file = os.path.join(self._directory.name, "port")
-        command = [sys.executable, "-m", "pathways_nb.cli", *self.arguments, "--port_file", self._port_file]
+        if os.path.exists(self._port_file):
+            os.unlink(self._port_file)
+        command = [
+            sys.executable,
+            "-m",
+            "pathways_nb.cli",
+            *(arguments or self.arguments),
+            "--port_file",
+            self._port_file,
+        ]
         env = dict(self.env if self.env is not None else os.environ)
         env[PARENT_ENV] = str(os.getpid())
-        with open(self.log_path, "w") as log:
+        with open(self.log_path, "a") as log:
             # A new process session: Ctrl-C in a terminal reaches only us, and we stop the children.
             self.process = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -122,6 +135,17 @@ class ChildServer:
                 self.status = Status.failed
                 raise ServerStartError(f"{self.name} did not start within {timeout_s:g} s:\n{self.log()[-3000:]}")
             time.sleep(0.02)
+
+    def relaunch(self, keep_port: bool) -> None:
+        """Starts the child again after it ended (on the same port if ``keep_port``), without waiting."""
+        arguments = list(self.arguments)
+        if keep_port and self.port is not None and "--server_port" in arguments:
+            arguments[arguments.index("--server_port") + 1] = str(self.port)
+        self.launch(arguments)
+
+    def log_tail(self, lines: int = 20) -> str:
+        """The last ``lines`` lines the child (and its earlier runs) wrote."""
+        return "\n".join(self.log().splitlines()[-lines:])
 
     def log(self) -> str:
         try:

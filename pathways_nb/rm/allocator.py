@@ -11,6 +11,7 @@ of it does not wait for them.
 from __future__ import annotations
 
 import itertools
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -43,12 +44,20 @@ class Allocator:
 
     def __init__(self) -> None:
         self._ids = itertools.count(1)
+        # Ids stay unique across restarts, whose reclaimed allocations keep their old ids.
+        self._prefix = secrets.token_hex(3)
         self.granted: dict[str, Ticket] = {}
         self.queue: list[Ticket] = []
 
     def submit(self, tenant: str, exclusive: bool, num_devices: int, islands: tuple[int, ...]) -> Ticket:
-        ticket = Ticket(f"alloc-{next(self._ids)}", tenant or "anonymous", exclusive, num_devices, islands)
+        ticket = Ticket(f"alloc-{self._prefix}-{next(self._ids)}", tenant or "anonymous", exclusive, num_devices, islands)
         self.queue.append(ticket)
+        return ticket
+
+    def reclaim(self, allocation_id: str, tenant: str, exclusive: bool, devices: tuple[int, ...]) -> Ticket:
+        """Records a grant made before a restart of the resource manager (the holder still uses it)."""
+        ticket = Ticket(allocation_id, tenant or "anonymous", exclusive, len(devices), (), devices=devices)
+        self.granted[allocation_id] = ticket
         return ticket
 
     def release(self, ticket: Ticket) -> None:

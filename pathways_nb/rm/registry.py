@@ -1,8 +1,11 @@
 """The workers of a cluster: who they are, which devices they own, whether they are alive.
 
-A worker registers (again after every restart, with a new incarnation) and
-then heartbeats; one that misses heartbeats for ``worker_timeout_s`` is marked
-unhealthy, and healthy again when it registers anew.
+A worker registers and then heartbeats; one that misses heartbeats for
+``worker_timeout_s``, or whose launcher reports that its process ended, is
+marked unhealthy (with the reason), and healthy again when it registers anew.
+The incarnation is the worker process's own: a worker that registers again
+after a restart of the resource manager keeps it (its arrays are still
+there), a new process brings a new one.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ class WorkerEntry:
     device_ids: list[int]
     last_heartbeat: float = field(default_factory=time.monotonic)
     healthy: bool = True
+    down_reason: str = ""
 
     @property
     def island(self) -> int:
@@ -61,7 +65,7 @@ class Registry:
         entry = WorkerEntry(
             worker_id,
             request,
-            self._incarnations,
+            request.incarnation or self._incarnations,
             [self._device_id(request.island, request.host_index, d.local_id) for d in request.devices],
         )
         self.workers[worker_id] = entry
@@ -84,7 +88,17 @@ class Registry:
         if not entry.healthy:
             # A heartbeat from a worker declared dead: it was only slow, or the network came back.
             entry.healthy = True
+            entry.down_reason = ""
         return True
+
+    def exited(self, island: int, host_index: int, pid: int, reason: str) -> WorkerEntry | None:
+        """Marks the worker whose process ``pid`` ended down; None if that process is not the registered one."""
+        entry = self.workers.get(f"island{island}-host{host_index}")
+        if entry is None or (pid and entry.request.pid != pid):
+            return None
+        entry.healthy = False
+        entry.down_reason = reason
+        return entry
 
     def sweep(self) -> list[WorkerEntry]:
         """Marks workers silent for too long unhealthy; returns those that just changed."""
@@ -93,6 +107,7 @@ class Registry:
         for entry in self.workers.values():
             if entry.healthy and now - entry.last_heartbeat > self.worker_timeout_s:
                 entry.healthy = False
+                entry.down_reason = f"it missed its heartbeats for {self.worker_timeout_s:g} s"
                 changed.append(entry)
         return changed
 
@@ -136,6 +151,7 @@ class Registry:
                 incarnation=entry.incarnation,
                 device_ids=entry.device_ids,
                 pid=entry.request.pid,
+                down_reason=entry.down_reason,
             )
             for entry in sorted(self.workers.values(), key=lambda e: (e.island, e.host_index))
         ]

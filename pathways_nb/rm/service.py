@@ -101,11 +101,28 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
             self._changed()
         return pb.HeartbeatResponse(known=known)
 
+    async def ReportWorkerExit(self, request, context):
+        entry = self.registry.exited(request.island, request.host_index, request.pid, request.reason)
+        if entry is not None:
+            _LOGGER.warning(
+                "worker %s (%s) ended: %s; island %d is down",
+                entry.worker_id,
+                entry.request.address,
+                request.reason,
+                entry.island,
+            )
+            self._changed()
+        return pb.WorkerExitAck(known=entry is not None)
+
     # -- allocations -----------------------------------------------------------------------
 
     async def Allocate(self, request, context):
         if request.num_devices < 0 or request.timeout_s < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "num_devices and timeout_s must be >= 0")
+        if request.reclaim_allocation_id:
+            async for update in self._hold_reclaimed(request):
+                yield update
+            return
         ticket = self.allocator.submit(request.tenant, request.exclusive, request.num_devices, tuple(request.islands))
         deadline = time.monotonic() + request.timeout_s if request.timeout_s else None
         try:
@@ -136,6 +153,24 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
                 )
             )
             # The allocation lasts as long as this call: until the holder cancels it or goes away.
+            await asyncio.Event().wait()
+        finally:
+            self.allocator.release(ticket)
+            self._grant()
+            self._changed()
+
+    async def _hold_reclaimed(self, request):
+        """Grants again, at once, an allocation a proxy held before this resource manager restarted."""
+        ticket = self.allocator.reclaim(
+            request.reclaim_allocation_id, request.tenant, request.exclusive, tuple(request.reclaim_device_ids)
+        )
+        _LOGGER.info("%s of %s reclaimed: devices %s", ticket.allocation_id, ticket.tenant, list(ticket.devices))
+        self._changed()
+        try:
+            devices = {d.id: d for d in self.registry.devices()}
+            granted = pb.Allocation(allocation_id=ticket.allocation_id, platform=self._platform())
+            granted.devices.extend(devices[i] for i in ticket.devices if i in devices)
+            yield pb.AllocateUpdate(granted=granted)
             await asyncio.Event().wait()
         finally:
             self.allocator.release(ticket)

@@ -46,6 +46,11 @@ class ResourceManagerStub:
                 request_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.ReportWorkerExit = channel.unary_unary(
+                '/pathways_nb.v1.ResourceManager/ReportWorkerExit',
+                request_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.WorkerExitReport.SerializeToString,
+                response_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.WorkerExitAck.FromString,
+                _registered_method=True)
         self.Allocate = channel.unary_stream(
                 '/pathways_nb.v1.ResourceManager/Allocate',
                 request_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.AllocateRequest.SerializeToString,
@@ -77,6 +82,13 @@ class ResourceManagerServicer:
 
     def Heartbeat(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportWorkerExit(self, request, context):
+        """A launcher saw a worker process end (crash, kill): its island is down at once, with the cause.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -114,6 +126,11 @@ def add_ResourceManagerServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.HeartbeatRequest.FromString,
                     response_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'ReportWorkerExit': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportWorkerExit,
+                    request_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.WorkerExitReport.FromString,
+                    response_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.WorkerExitAck.SerializeToString,
             ),
             'Allocate': grpc.unary_stream_rpc_method_handler(
                     servicer.Allocate,
@@ -187,6 +204,33 @@ class ResourceManager:
             '/pathways_nb.v1.ResourceManager/Heartbeat',
             pathways__nb_dot_rpc_dot_cluster__pb2.HeartbeatRequest.SerializeToString,
             pathways__nb_dot_rpc_dot_cluster__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportWorkerExit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pathways_nb.v1.ResourceManager/ReportWorkerExit',
+            pathways__nb_dot_rpc_dot_cluster__pb2.WorkerExitReport.SerializeToString,
+            pathways__nb_dot_rpc_dot_cluster__pb2.WorkerExitAck.FromString,
             options,
             channel_credentials,
             insecure,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
@@ -43,6 +44,9 @@ class WorkerServer:
         credentials = credentials or ClusterCredentials()
         self.runtime = runtime
         self.island, self.host_index = island, host_index
+        # This process's identity in the cluster: kept when it registers again with a restarted
+        # resource manager (its arrays are still here), new for every new process.
+        self.incarnation = 1 + secrets.randbits(62)
         self.service = WorkerService(runtime, credentials=credentials)
         self._server = BackgroundServer(
             lambda server: cluster_pb2_grpc.add_WorkerServicer_to_server(self.service, server),
@@ -69,6 +73,7 @@ class WorkerServer:
             devices=local_devices(self.runtime),
             hostname=socket.gethostname(),
             pid=os.getpid(),
+            incarnation=self.incarnation,
         )
         deadline = time.monotonic() + timeout_s
         while True:

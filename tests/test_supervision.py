@@ -1,0 +1,190 @@
+"""A dead process of a local cluster is noticed at once, reported with its cause, and replaced.
+
+The client's process never aborts: after a worker dies, new shapes, dtypes and
+programs on its island give errors (DATA_LOSS, naming the island, host and
+cause), the other island keeps serving, and the island serves again by itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from pathways_nb.cluster import LocalCluster
+from pathways_nb.testing import python_process
+
+
+@pytest.fixture(scope="module")
+def supervised():
+    """A cluster of its own: these tests kill its processes."""
+    with LocalCluster(islands=2, devices_per_host=2) as cluster:
+        yield cluster
+
+
+def _send(process: subprocess.Popen, line: str = "") -> None:
+    process.stdin.write(line + "\n")
+    process.stdin.flush()
+
+
+def _read_json(process: subprocess.Popen) -> dict:
+    line = process.stdout.readline()
+    if not line:
+        raise AssertionError(f"the client ended early:\n{process.stderr.read()[-4000:]}")
+    return json.loads(line)
+
+
+def _wait_healthy(cluster: LocalCluster, timeout_s: float) -> float:
+    started = time.monotonic()
+    while not (cluster.state().workers and all(w.healthy for w in cluster.state().workers)):
+        assert time.monotonic() - started < timeout_s, cluster.state()
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+NEW_WORK_ON_A_DEAD_ISLAND = """
+    import sys, json, jax, jax.numpy as jnp, numpy as np, pathways_nb
+    pathways_nb.connect(sys.argv[1], tenant="survivor")
+    island0, island1 = jax.devices()[0], jax.devices()[2]
+    kept = jax.device_put(np.arange(4, dtype=np.float32), island1)
+    print(json.dumps({"before": float(jax.jit(lambda x: x.sum())(kept))}), flush=True)
+    sys.stdin.readline()                                          # the test kills island 1's worker
+
+    def attempt(work):
+        try:
+            return {"value": np.asarray(work()).tolist()}
+        except Exception as error:                                # the client process must live
+            return {"error": f"{type(error).__name__}: {error}"}
+
+    # Shapes, dtypes and programs the client has never used: each needs new layouts and compiles.
+    report = {
+        "put": attempt(lambda: jax.device_put(np.ones((7, 3), np.int16), island1)),
+        "jit": attempt(lambda: jax.jit(lambda x: jnp.cos(x) * 3)(jax.device_put(np.ones(5, np.float16), island1))),
+        "kept": attempt(lambda: kept * 2),
+        "island0": attempt(lambda: jax.jit(lambda x: x - 1)(jax.device_put(np.full((2, 9), 3, np.int8), island0))),
+    }
+    print(json.dumps(report), flush=True)
+    sys.stdin.readline()                                          # the island is back
+    report = {
+        "fresh": attempt(lambda: jax.jit(lambda x: x + 1)(jax.device_put(np.full(3, 41, np.float32), island1))),
+        "kept": attempt(lambda: kept + 1),                        # lost with the old process: stays lost
+    }
+    print(json.dumps(report), flush=True)
+"""
+
+
+def test_dead_worker_fails_new_work_clearly_and_comes_back_by_itself(supervised):
+    client = python_process(NEW_WORK_ON_A_DEAD_ISLAND, supervised.address)
+    try:
+        assert _read_json(client) == {"before": 6.0}
+        old_pid = supervised.workers[(1, 0)].process.pid
+        killed = time.monotonic()
+        os.kill(old_pid, signal.SIGKILL)
+        _send(client)
+        report = _read_json(client)
+        for key in ("put", "jit", "kept"):
+            failure = report[key].get("error", "")
+            assert "DATA_LOSS" in failure and "island 1 host 0" in failure, report
+        assert "killed by signal SIGKILL" in report["put"]["error"] + report["jit"]["error"], report
+        assert report["island0"] == {"value": [[2] * 9] * 2}
+        supervised.wait_for_worker(1, 0, timeout_s=10, not_pid=old_pid)
+        back_after_s = time.monotonic() - killed
+        assert back_after_s < 10, back_after_s
+        ended = [e for e in supervised.exits if e.pid == old_pid]
+        assert ended and ended[0].description == "killed by signal SIGKILL" and ended[0].name == "worker-1-0"
+        _send(client)
+        report = _read_json(client)
+        assert report["fresh"] == {"value": [42.0] * 3}
+        assert "DATA_LOSS" in report["kept"]["error"]
+        assert client.wait(60) == 0, client.stderr.read()[-3000:]
+    finally:
+        client.kill()
+        client.communicate()
+
+
+KEEPS_WORKING = """
+    import sys, json, jax, numpy as np, pathways_nb
+    pathways_nb.connect(sys.argv[1], tenant="steady")
+    arrays = [jax.device_put(np.full(4, i, np.float32), d) for i, d in enumerate(jax.devices())]
+    step = jax.jit(lambda x: x * 2)
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        print(json.dumps({"sums": [float(step(a).sum()) for a in arrays]}), flush=True)
+"""
+
+
+def test_resource_manager_restart_keeps_running_sessions(supervised):
+    _wait_healthy(supervised, 30)
+    client = python_process(KEEPS_WORKING, supervised.address)
+    try:
+        assert _read_json(client) == {"ready": True}
+        workers_before = {w.worker_id: (w.pid, w.incarnation) for w in supervised.state().workers}
+        rm = supervised.resource_manager
+        rm_pid = rm.process.pid
+        port = rm.port
+        os.kill(rm_pid, signal.SIGKILL)
+        # The session does not need the resource manager: it keeps computing while it is gone.
+        _send(client)
+        assert _read_json(client) == {"sums": [0.0, 8.0, 16.0, 24.0]}
+        deadline = time.monotonic() + 10
+        while not (rm.alive() and rm.process.pid != rm_pid):
+            assert time.monotonic() < deadline, rm.log_tail()
+            time.sleep(0.05)
+        assert rm.port == port
+        # Workers register again with the same incarnation (their arrays are still there); the proxy
+        # claims its session's allocation again.
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                state = supervised.state()
+            except Exception:  # noqa: BLE001 - still starting
+                state = None
+            if state is not None and len(state.workers) == 2 and any(a.tenant == "steady" for a in state.allocations):
+                break
+            assert time.monotonic() < deadline, state
+            time.sleep(0.1)
+        assert {w.worker_id: (w.pid, w.incarnation) for w in state.workers} == workers_before
+        _send(client)
+        assert _read_json(client) == {"sums": [0.0, 8.0, 16.0, 24.0]}
+    finally:
+        client.kill()
+        client.communicate()
+    second = python_process(
+        "import sys, jax, pathways_nb; pathways_nb.connect(sys.argv[1]); print(len(jax.devices()))",
+        supervised.address,
+    )
+    out, err = second.communicate(timeout=120)
+    assert out.split() == ["4"], err[-3000:]
+
+
+def test_up_restarts_a_dead_worker_and_says_why():
+    up = subprocess.Popen(
+        [sys.executable, "-m", "pathways_nb.cli", "up", "--islands", "1", "--devices-per-host", "1", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert up.stdout.readline().startswith("pathways-nb cluster serving")
+        workers = [c for c in psutil.Process(up.pid).children() if "worker" in c.cmdline()]
+        assert len(workers) == 1
+        workers[0].send_signal(signal.SIGSEGV)
+        deadline = time.monotonic() + 20
+        replaced = []
+        while not replaced:
+            assert time.monotonic() < deadline
+            replaced = [
+                c for c in psutil.Process(up.pid).children() if "worker" in c.cmdline() and c.pid != workers[0].pid
+            ]
+            time.sleep(0.1)
+        assert not psutil.pid_exists(workers[0].pid) or psutil.Process(workers[0].pid).status() != "zombie"
+    finally:
+        up.send_signal(signal.SIGINT)
+        _out, err = up.communicate(timeout=60)
+    assert "worker-0-0" in err and "killed by signal SIGSEGV; restarting" in err, err[-3000:]
