@@ -54,6 +54,12 @@ class Internal(RequestError):
     code = 13  # INTERNAL
 
 
+class DataLoss(RequestError):
+    """Data or work lost with a host that went down (pathwaysutils' elastic mode reads this code as slice down)."""
+
+    code = 15  # DATA_LOSS
+
+
 _STATUS_NAMES = {
     "CANCELLED": 1,
     "UNKNOWN": 2,

@@ -38,6 +38,7 @@ from pathways_nb.protocol.errors import (
     RequestError,
     Unavailable,
 )
+from pathways_nb.protocol.layouts import LayoutBook
 from pathways_nb.protocol.shardings import IfrtSharding
 from pathways_nb.proxy.remote_arrays import RemoteArray, ShardedRemoteArray
 from pathways_nb.proxy.worker_link import WorkerLink, WorkerLost
@@ -83,7 +84,7 @@ class ClusterRuntime:
         # Per program (by identity): worker incarnation -> program id on that worker.
         self._compiled: weakref.WeakKeyDictionary[RemoteProgram, dict[int, int]] = weakref.WeakKeyDictionary()
         self._control: dict[str, WorkerLink] = {}
-        self._layouts: dict[tuple, bytes] = {}
+        self._layouts = LayoutBook()
         self._sessions: weakref.WeakSet[ClusterSession] = weakref.WeakSet()
         self._workers: dict[str, pb.WorkerState] = {}
         self._watching = threading.Event()
@@ -119,6 +120,13 @@ class ClusterRuntime:
         with self._lock:
             return self._workers.get(worker_id)
 
+    def down_reason(self, worker_id: str, incarnation: int) -> str:
+        """Why the cluster says that incarnation of a worker is down ("" while it does not know)."""
+        worker = self.worker(worker_id)
+        if worker is None or worker.healthy or worker.incarnation != incarnation:
+            return ""
+        return worker.down_reason
+
     def cluster_state(self) -> pb.ClusterState:
         try:
             return self._rm.GetClusterState(pb.ClusterStateRequest(), timeout=10)
@@ -130,17 +138,22 @@ class ClusterRuntime:
     def open_session(self, session_id: int, attributes: dict[str, Any], events: EventSink) -> ClusterSession:
         """Allocates devices for a session, waiting in the queue if the cluster is busy."""
         request = _allocation_request(attributes, self.allocation_timeout_s, f"{self.key}-s{session_id}")
-        lease = self._rm.Allocate(request)
+        lease = self.allocate(request)
         try:
             for update in lease:
                 if update.HasField("granted"):
                     session = ClusterSession(self, session_id, update.granted, lease, events)
                     self._sessions.add(session)
+                    session.hold_lease(request)
                     return session
                 _LOGGER.info("session %d: %s", session_id, update.waiting.reason)
         except grpc.RpcError as error:
             raise _rm_error(error, self.rm_address) from None
         raise Unavailable(f"the resource manager at {self.rm_address} ended the allocation before granting it")
+
+    def allocate(self, request: pb.AllocateRequest, wait_for_ready: bool = False):
+        """The resource manager's ``Allocate`` stream (``wait_for_ready``: wait for it to be reachable)."""
+        return self._rm.Allocate(request, wait_for_ready=wait_for_ready)
 
     # -- programs --------------------------------------------------------------------------
 
@@ -195,16 +208,16 @@ class ClusterRuntime:
     def query(self, worker: pb.Device, command: pb.Command, field: str) -> pb.Reply:
         return self.control_link(worker).request(command, field).result()
 
-    def default_layout(self, worker: pb.Device, dtype_kind: int, dims: tuple[int, ...], local_id: int) -> bytes:
-        key = (worker.worker_id, dtype_kind, dims, local_id)
-        with self._lock:
-            if key in self._layouts:
-                return self._layouts[key]
-        command = pb.Command(layout_query=pb.LayoutQuery(dtype_kind=dtype_kind, dims=dims, device_id=local_id))
-        layout = self.query(worker, command, "layout_query").layout
-        with self._lock:
-            self._layouts[key] = layout
-        return layout
+    def default_layout(self, device: pb.Device, dtype_kind: int, dims: tuple[int, ...], memory_kind: str) -> bytes:
+        """The device's default layout, answered whatever the state of its worker (see ``proxy.layouts``)."""
+        command = pb.Command(layout_query=pb.LayoutQuery(dtype_kind=dtype_kind, dims=dims, device_id=device.local_id))
+        return self._layouts.layout(
+            device.platform,
+            (device.kind, dtype_kind, dims, memory_kind),
+            dims,
+            lambda: self.query(device, command, "layout_query").layout,
+            fallback_on=RequestError,
+        )
 
     def close(self) -> None:
         """Ends every session's leases and streams; anything waiting on a worker fails."""
@@ -250,6 +263,7 @@ class ClusterSession:
         self.session_id = session_id
         self.allocation = allocation
         self._lease = lease
+        self._released = False
         self._devices = {d.id: d for d in allocation.devices}
         self._global_ids = {(d.worker_id, d.local_id): d.id for d in allocation.devices}
         self._device_ids = tuple(d.id for d in allocation.devices)
@@ -325,9 +339,11 @@ class ClusterSession:
                     link.send(pb.Command())  # raises the WorkerLost error that ended it
                 return link
             if not device.healthy:
+                worker = self.cluster.worker(device.worker_id)
+                reason = f" ({worker.down_reason})" if worker is not None and worker.down_reason else ""
                 raise WorkerLost(
-                    f"island {device.island} host {device.host_index} ({device.worker_address}) is down; "
-                    f"work on island {device.island} fails until its worker is back"
+                    f"island {device.island} host {device.host_index} ({device.worker_address}) is down{reason}; "
+                    f"work on island {device.island} fails until its worker is back. Other islands keep serving"
                 )
             if link is not None:
                 link.close()
@@ -336,6 +352,7 @@ class ClusterSession:
                 f"{self.cluster.key}-s{self.session_id}-{device.incarnation}",
                 self._worker_events,
                 credentials=self.cluster.credentials,
+                cause=lambda: self.cluster.down_reason(device.worker_id, device.incarnation),
             )
             self._links[device.worker_id] = link
             return link
@@ -352,7 +369,7 @@ class ClusterSession:
         with self._lock:
             link = self._links.get(worker.worker_id)
         if link is not None and link.alive and link.incarnation == worker.incarnation:
-            link._lost("it missed its heartbeats")
+            link._lost(worker.down_reason or "it missed its heartbeats")
 
     def _worker_ids(self, sharding: IfrtSharding) -> list[str]:
         return sorted({self._device(d).worker_id for d in sharding.device_ids})
@@ -374,9 +391,9 @@ class ClusterSession:
                     f"use one of {list(device.memory_kinds)}"
                 )
 
-    def default_layout(self, dtype: np.dtype, dims: Sequence[int], device_id: int) -> bytes:
+    def default_layout(self, dtype: np.dtype, dims: Sequence[int], device_id: int, memory_kind: str = "") -> bytes:
         device = self._current(self._device(device_id))
-        return self.cluster.default_layout(device, dtypes.from_numpy(dtype), tuple(dims), device.local_id)
+        return self.cluster.default_layout(device, dtypes.from_numpy(dtype), tuple(dims), memory_kind)
 
     # -- arrays ----------------------------------------------------------------------------
 
@@ -561,12 +578,45 @@ class ClusterSession:
 
     # -- ending ----------------------------------------------------------------------------
 
+    def hold_lease(self, request: pb.AllocateRequest) -> None:
+        """Keeps the allocation for the session's life, claiming it again from a restarted resource manager."""
+        threading.Thread(
+            target=self._hold_lease, args=(request,), name=f"pathways-lease-{self.session_id}", daemon=True
+        ).start()
+
+    def _hold_lease(self, request: pb.AllocateRequest) -> None:
+        reclaim = pb.AllocateRequest()
+        reclaim.CopyFrom(request)
+        reclaim.reclaim_allocation_id = self.allocation.allocation_id
+        reclaim.reclaim_device_ids.extend(self._device_ids)
+        lease = self._lease
+        while True:
+            try:
+                for _update in lease:
+                    pass
+            except grpc.RpcError as error:
+                if not self._released:
+                    _LOGGER.warning(
+                        "session %d: lost the resource manager at %s (%s); its devices stay in use, and "
+                        "the allocation is claimed again when it is back",
+                        self.session_id,
+                        self.cluster.rm_address,
+                        error.code().name,
+                    )
+            with self._lock:
+                if self._released:
+                    return
+                # Blocks (without polling) until the resource manager answers again.
+                lease = self._lease = self.cluster.allocate(reclaim, wait_for_ready=True)
+
     def release(self) -> None:
         with self._lock:
+            self._released = True
             links, self._links = list(self._links.values()), {}
+            lease = self._lease
         for link in links:
             link.close()
-        self._lease.cancel()
+        lease.cancel()
 
 
 def _kind(aval) -> int:

@@ -20,7 +20,7 @@ from concurrent.futures import Future
 import grpc
 
 from pathways_nb.aio_server import SERVER_OPTIONS
-from pathways_nb.protocol.errors import RequestError, Unavailable
+from pathways_nb.protocol.errors import DataLoss, RequestError, Unavailable
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
 from pathways_nb.security import ClusterCredentials
@@ -29,10 +29,13 @@ _LOGGER = logging.getLogger(__name__)
 
 # How often the batcher looks for arrays to forget when nothing else is queued.
 _IDLE_FLUSH_S = 0.2
+# How long a broken stream waits for the cluster to say why its worker went down (a launcher
+# reports a dead process within milliseconds; heartbeats take seconds and are not waited for).
+_CAUSE_WAIT_S = 0.5
 
 
-class WorkerLost(Unavailable):
-    """The worker of an island cannot be reached."""
+class WorkerLost(DataLoss):
+    """The worker of an island is gone: its arrays are lost, and work on it fails until a new one is back."""
 
 
 class WorkerLink:
@@ -44,6 +47,7 @@ class WorkerLink:
         session_key: str,
         on_events: Callable[[WorkerLink, list], None] | None = None,
         credentials: ClusterCredentials | None = None,
+        cause: Callable[[], str] | None = None,
     ):
         self.worker_id = worker.worker_id
         self.address = worker.worker_address
@@ -51,6 +55,8 @@ class WorkerLink:
         self.host_index = worker.host_index
         self.incarnation = worker.incarnation
         self.session_key = session_key
+        # Why the worker went down, once the cluster knows (its launcher reports how the process ended).
+        self._cause = cause
         self._on_events = on_events
         # The worker's clock minus ours, as low as seen (network delay only makes it look larger).
         self.clock_offset = float("inf")
@@ -144,10 +150,10 @@ class WorkerLink:
                         recorded.end += self.clock_offset
                     self._on_events(self, list(batch.events))
             if not self._closed:
-                self._lost("the worker ended the session")
+                self._lost(self._cause_of_loss("the worker ended the session"))
         except grpc.RpcError as error:
             if not self._closed:
-                self._lost(f"{error.code().name}: {error.details()}")
+                self._lost(self._cause_of_loss(f"{error.code().name}: {error.details()}"))
 
     def _deliver(self, reply: pb.Reply) -> None:
         with self._cond:
@@ -169,6 +175,18 @@ class WorkerLink:
             future.set_result(data)
         else:
             future.set_result(reply)
+
+    def _cause_of_loss(self, detail: str) -> str:
+        """``detail``, or the cluster's reason for the loss if it arrives within a moment of the broken stream."""
+        deadline = time.monotonic() + _CAUSE_WAIT_S
+        while self._cause is not None:
+            cause = self._cause()
+            if cause:
+                return cause
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        return detail
 
     def _lost(self, detail: str) -> None:
         error = WorkerLost(

@@ -24,6 +24,7 @@ import numpy as np
 from pathways_nb.events import EventSink, ExecutionTimer
 from pathways_nb.protocol import schema
 from pathways_nb.protocol.errors import FailedPrecondition, InvalidRequest, NotFound, ResourceExhausted
+from pathways_nb.protocol.layouts import ROW_MAJOR_PLATFORMS, row_major
 from pathways_nb.protocol.shardings import IfrtSharding
 from pathways_nb.rpc.convert import output_shardings as output_shardings_of
 from pathways_nb.runtime_api import ArgumentFacts, DeviceDescription, ProgramInfo, check_arguments, check_assemble_parts
@@ -166,9 +167,12 @@ class LocalRuntime:
             )
         return descriptions
 
-    def default_layout(self, dtype: np.dtype, dims: Sequence[int], device_id: int) -> bytes:
+    def default_layout(self, dtype: np.dtype, dims: Sequence[int], device_id: int, memory_kind: str = "") -> bytes:
         """How the device stores an array of this shape, serialized as the IFRT client reads it."""
-        layout = self.client.get_default_layout(dtype, tuple(dims), self.device(device_id))
+        device = self.device(device_id)
+        if self.platform in ROW_MAJOR_PLATFORMS:
+            return row_major(len(dims))
+        layout = self.client.get_default_layout(dtype, tuple(dims), device)
         (serialized,) = layout.__getstate__()
         return serialized
 

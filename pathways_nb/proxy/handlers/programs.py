@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from pathways_nb.dataflow import ArrayRecord, Pending
+from pathways_nb.dataflow import ArrayRecord, Pending, when_all
 from pathways_nb.events import event
 from pathways_nb.protocol import attributes, dtypes
-from pathways_nb.protocol.errors import InvalidRequest, Unimplemented
+from pathways_nb.protocol.errors import DataLoss, InvalidRequest, Unimplemented
 from pathways_nb.proxy.context import CompileCache
 from pathways_nb.proxy.dispatch import DEFERRED, handles
 from pathways_nb.runtime_api import ArgumentFacts, ProgramInfo, check_arguments
@@ -173,7 +173,14 @@ def execute(session, request, op_id):
 
     def run() -> None:
         check_arguments(program, [_facts(record) for record in inputs])
-        values = session.runtime.execute(program, [record.value for record in inputs], keep)
+        try:
+            values = session.runtime.execute(program, [record.value for record in inputs], keep)
+        except DataLoss as lost:
+            # The island is down. As with a device failure, the results hold the error and raise it
+            # when they are read, not here (pathwaysutils' elastic mode relies on that).
+            for record in outputs:
+                record.fail(lost)
+            return
         for record, value in zip(outputs, values, strict=True):
             record.set(value)
         for record in donated:
@@ -181,10 +188,19 @@ def execute(session, request, op_id):
             record.free()
 
     status = Pending() if options.fill_status else None
-    session.after(inputs, run, outputs=outputs, on_error=status.fail if status else None)
+    failed_input = next((record.error for record in inputs if record.ready and record.error is not None), None)
+    if failed_input is not None:
+        # An argument holds an error (e.g. it was lost with its host): so do the results, read later.
+        for record in outputs:
+            record.fail(failed_input)
+        if status is not None:
+            status.fail(failed_input)
+    else:
+        session.after(inputs, run, outputs=outputs, on_error=status.fail if status else None)
+        if status is not None:
+            _finish_when_computed(session, outputs, status)
     response = session.messages.proxy.LoadedExecutableExecuteResponse()
     if status is not None:
-        _finish_when_computed(session, outputs, status)
         response.status_handle = session.add_future(status, request.result_status_handle or None)
     if not client_handles:
         for handle, record in zip(output_handles, outputs, strict=True):
@@ -207,9 +223,13 @@ def _finish_when_computed(session, outputs: list[ArrayRecord], status: Pending) 
         for record in outputs:
             record.value.block_until_ready()
 
-    session.after(
-        outputs, lambda: session.in_background(wait, lambda _r, e: status.fail(e) if e else status.resolve(None))
-    )
+    def known(error) -> None:
+        if error is not None:
+            status.fail(error)
+        else:
+            session.in_background(wait, lambda _r, e: status.fail(e) if e else status.resolve(None))
+
+    when_all([record.pending for record in outputs], known)
 
 
 @handles("loaded_executable_fetch_execute_result_request")

@@ -96,7 +96,7 @@ def get_default_layout(session, request, op_id):
     # (Zero dims do not save XLA, which multiplies the others first.)
     if math.prod(max(d, 1) for d in request.dims) * dtype.itemsize >= 1 << 63:
         raise InvalidRequest(f"an array of {dtype}{list(request.dims)} has more bytes than a 64-bit size can count")
-    layout = session.runtime.default_layout(dtype, request.dims, request.device_id)
+    layout = session.runtime.default_layout(dtype, request.dims, request.device_id, request.memory_kind)
     return session.messages.proxy.GetDefaultLayoutResponse(serialized_pjrt_layout=layout)
 
 
