@@ -258,3 +258,19 @@ def test_tls_resource_manager_and_worker(tmp_path):
         for child in (worker, rm):
             if child is not None:
                 child.close()
+
+
+def test_the_kubernetes_manifest_gives_every_server_the_token_from_a_secret():
+    import pathlib
+
+    import yaml
+
+    manifest = pathlib.Path(__file__).resolve().parent.parent / "docs" / "kubernetes" / "pathways-nb.yaml"
+    jobset = next(d for d in yaml.safe_load_all(manifest.read_text()) if d["kind"] == "JobSet")
+    for job in jobset["spec"]["replicatedJobs"]:
+        pod = job["template"]["spec"]["template"]["spec"]
+        secrets = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+        for container in pod["containers"]:
+            args = cli.build_parser().parse_args(container["args"])
+            mount = next(m for m in container["volumeMounts"] if args.token_file.startswith(m["mountPath"] + "/"))
+            assert secrets[mount["name"]] == "pathways-nb-token", job["name"]
