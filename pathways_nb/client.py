@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -210,6 +212,7 @@ def connect(
     from pathways_nb import cluster
 
     token = token or cluster.token_for(address) or token_from_env()
+    _check_listening(address, timeout_s)
     previous = _Previous(jax.config.jax_platforms, jax.config.read("jax_backend_target"))
     os.environ[jax_plugin.INSECURE_ENV] = "true"
     # The client waits a little longer than the server, so that the server's reason arrives.
@@ -236,6 +239,33 @@ def connect(
     _state["connection"] = session
     _state["previous"] = previous
     return session
+
+
+# A refused connection is retried this long (a server that is just starting), then reported.
+REFUSED_RETRY_S = 2.0
+
+
+def _check_listening(address: str, timeout_s: float) -> None:
+    """Fails at once if nothing listens at ``address``; the stock client would retry until its timeout.
+
+    A server that accepts but does not answer is left to the client's own
+    ``timeout_s`` (a tunnel whose far end is down looks like that).
+    """
+    host, _, port = address.removeprefix("grpc://").rpartition(":")
+    host = host.strip("[]")
+    deadline = time.monotonic() + REFUSED_RETRY_S
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=min(timeout_s, 5.0)).close()
+            return
+        except socket.gaierror as e:
+            raise ConnectionFailed(address, timeout_s, f"the host name {host!r} does not resolve ({e})") from None
+        except TimeoutError:
+            return
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise ConnectionFailed(address, timeout_s, f"nothing is listening there ({e.strerror or e})") from None
+        time.sleep(0.1)
 
 
 def _devices_showing_the_wait(address: str, options: SessionOptions, progress: bool, token: str | None) -> list:

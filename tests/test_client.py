@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -57,6 +58,41 @@ def test_connecting_to_nothing_fails_within_the_timeout():
     seconds, message = result.stdout.split(" ", 1)
     assert int(seconds) <= 10
     assert "grpc://127.0.0.1:1" in message and "within 2 s" in message
+
+
+def test_a_refused_address_fails_at_once_even_with_a_long_timeout():
+    result = _run(
+        """
+        import time, pathways_nb
+        started = time.monotonic()
+        try:
+            pathways_nb.connect("127.0.0.1:1", timeout_s=60)
+        except pathways_nb.ConnectionFailed as error:
+            print(round(time.monotonic() - started, 1), error)
+        """
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    seconds, message = result.stdout.split(" ", 1)
+    assert float(seconds) < 5
+    assert "grpc://127.0.0.1:1" in message and "nothing is listening there" in message
+
+
+def test_a_server_that_accepts_but_never_answers_gets_the_timeout():
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts connections, never speaks gRPC
+        port = silent.getsockname()[1]
+        result = _run(
+            f"""
+            import time, pathways_nb
+            started = time.monotonic()
+            try:
+                pathways_nb.connect("127.0.0.1:{port}", timeout_s=3)
+            except pathways_nb.ConnectionFailed as error:
+                print(round(time.monotonic() - started, 1), error)
+            """
+        )
+    assert result.returncode == 0, result.stderr[-3000:]
+    seconds, message = result.stdout.split(" ", 1)
+    assert 2.5 <= float(seconds) < 30 and "within 3 s" in message
 
 
 @pytest.mark.parametrize(
