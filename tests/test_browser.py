@@ -73,11 +73,11 @@ def lab(kernel_installed, tmp_path_factory):
     shutil.copy(root / "jupyterlab.log", ARTIFACTS / "jupyterlab.log")
 
 
-def _notebook(address: str) -> nbformat.NotebookNode:
+def _notebook(address: str, token: str) -> nbformat.NotebookNode:
     notebook = nbformat.v4.new_notebook()
     notebook.metadata["kernelspec"] = {"name": "pathways", "display_name": "Python 3 (Pathways)", "language": "python"}
     notebook.cells = [
-        nbformat.v4.new_code_cell(f"%pathways connect {address} --tenant browser-test"),
+        nbformat.v4.new_code_cell(f"%pathways connect {address} --tenant browser-test --token {token}"),
         nbformat.v4.new_code_cell(
             "import jax, jax.numpy as jnp, numpy as np\n"
             "step = jax.jit(lambda x: jnp.tanh(x @ x.T) / 4)\n"
@@ -102,7 +102,7 @@ def test_notebook_in_jupyterlab_shows_the_widgets(lab, cluster):
     url, root = lab
     specs = json.loads(urllib.request.urlopen(f"{url}/api/kernelspecs", timeout=30).read())
     assert "pathways" in specs["kernelspecs"], specs
-    nbformat.write(_notebook(cluster.address), root / "pathways.ipynb")
+    nbformat.write(_notebook(cluster.address, cluster.token), root / "pathways.ipynb")
     ARTIFACTS.mkdir(exist_ok=True)
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(
