@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 OLD_CLIENT_VENV := .venv-jax072
 OLD_CLIENT_JAX := 0.7.2
 
-.PHONY: quickstart test lint install chromium clean
+.PHONY: quickstart test lint docs install chromium clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,11 @@ quickstart: install
 lint: install
 	$(BIN)/ruff check pathways_nb tests benchmarks
 	$(BIN)/ruff format --check pathways_nb tests benchmarks
+
+# The docs site (mkdocs, Material theme, API reference from docstrings) into build/site; warnings fail it.
+docs: install
+	$(BIN)/python -m pip install --quiet -e ".[docs]"
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 # The browser tests drive Debian's Chromium (Playwright's own browser download is not used).
 chromium:

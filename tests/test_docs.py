@@ -2,7 +2,10 @@
 
 Each page's ```python blocks run in one fresh Python process (so a page reads
 top to bottom like a session); its ```ipython blocks run, in order, in a
-fresh Pathways kernel; ```python skip blocks are illustrations only. The
+fresh Pathways kernel. ```python skip and ```ipython skip blocks are
+illustrations only (code for a cluster or a hosted runtime the tests do not
+have); shell, YAML and text blocks are not Python. Any other block fails
+test_every_block_is_run_or_marked, so no example escapes by its label. The
 documented address grpc://127.0.0.1:29000 is replaced by the test server's.
 """
 
@@ -20,6 +23,18 @@ DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 BLOCK = re.compile(r"^```python\s*\n(.*?)^```", re.MULTILINE | re.DOTALL)
 IPYTHON_BLOCK = re.compile(r"^```ipython\s*\n(.*?)^```", re.MULTILINE | re.DOTALL)
 DOCUMENTED_ADDRESS = "grpc://127.0.0.1:29000"
+FENCE = re.compile(r"^```(.*)$", re.MULTILINE)
+NOT_RUN = {"python skip", "ipython skip", "bash", "text", "yaml", "dockerfile"}
+
+
+def test_every_block_is_run_or_marked():
+    """Each fenced block is run (python, ipython) or marked as not Python or not runnable here."""
+    for page in sorted(DOCS.glob("*.md")):
+        headers = FENCE.findall(page.read_text())[::2]  # opening fences; the closing ones are bare
+        unknown = sorted({h.strip() for h in headers} - NOT_RUN - {"python", "ipython"})
+        assert not unknown, (
+            f"{page.name}: code blocks labelled {unknown}: use one of python, ipython, {sorted(NOT_RUN)}"
+        )
 
 
 def _pages_with_examples() -> list[pathlib.Path]:
