@@ -102,23 +102,25 @@ class Tiling:
             return tuple(shape)
         return tuple(-(-dim // parts) for dim, parts in zip(shape, self.partitions, strict=True))
 
-    def shard_indices(self, shape: tuple[int, ...]) -> tuple[tuple[slice, ...], ...]:
-        """The region of the array each device holds, in device-list order (as jax's ``op_sharding_to_indices``)."""
+    def check_shape(self, shape: tuple[int, ...]) -> None:
+        """Refuses an array this sharding cannot split: another rank, or tiles of unequal size (as jax does)."""
         self.check_rank(len(shape))
-        if self.partitions is None:
-            return tuple((slice(None),) * len(shape) for _ in range(self.num_devices))
-        per_dim = []
-        for axis, (dim, parts) in enumerate(zip(shape, self.partitions, strict=True)):
-            if parts == 1:
-                per_dim.append([slice(None)])
-                continue
-            size, ragged = divmod(dim, parts)
-            if ragged:
+        for axis, (dim, parts) in enumerate(zip(shape, self.partitions or (), strict=False)):
+            if dim % parts:
                 raise InvalidRequest(
                     f"shape {list(shape)} cannot be split evenly by this sharding: dimension {axis} "
                     f"of size {dim} into {parts} parts; make it a multiple of {parts}"
                 )
-            per_dim.append([slice(i * size, (i + 1) * size) for i in range(parts)])
+
+    def shard_indices(self, shape: tuple[int, ...]) -> tuple[tuple[slice, ...], ...]:
+        """The region of the array each device holds, in device-list order (as jax's ``op_sharding_to_indices``)."""
+        self.check_shape(shape)
+        if self.partitions is None:
+            return tuple((slice(None),) * len(shape) for _ in range(self.num_devices))
+        per_dim = [
+            [slice(None)] if parts == 1 else [slice(i * (dim // parts), (i + 1) * (dim // parts)) for i in range(parts)]
+            for dim, parts in zip(shape, self.partitions, strict=True)
+        ]
         indices: list[tuple[slice, ...] | None] = [None] * self.num_devices
         holders = iter(self.tile_devices)
         for region in itertools.product(*per_dim):
