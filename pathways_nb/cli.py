@@ -147,6 +147,24 @@ def _kernel_install(args: argparse.Namespace) -> int:
     return 0
 
 
+def _deploy_k8s(args: argparse.Namespace) -> int:
+    from pathways_nb.deploy import Deployment, accelerator, write_kubernetes
+
+    deployment = Deployment(
+        islands=args.islands,
+        hosts_per_island=args.hosts_per_island,
+        devices_per_host=args.devices_per_host,
+        accelerator=accelerator(args.accelerator),
+        image=args.image,
+        name=args.name,
+        namespace=args.namespace,
+    )
+    for path in write_kubernetes(deployment, args.output):
+        print(f"wrote {path}")
+    print(f"next: build and push {args.image}, kubectl apply -f {args.output}, then see docs/kubernetes.md")
+    return 0
+
+
 def _serve(server, message: str, started: float, port_file: str | None) -> int:
     """Announces a started server, stops it on SIGINT/SIGTERM (or when its launcher dies), and waits."""
     from pathways_nb.processes import exit_with_parent
@@ -263,6 +281,25 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--platform", default="cpu", help="the workers' platform")
     security.add_arguments(up, serve_tls=False, call_tls=False)
     up.set_defaults(run=_up)
+
+    deploy = commands.add_parser("deploy", parents=[common], help="write what runs a cluster on other machines")
+    targets = deploy.add_subparsers(dest="deploy_target", required=True)
+    k8s = targets.add_parser(
+        "k8s", parents=[common], help="Kubernetes: a JobSet, the proxy's Service, the token Secret, a Dockerfile"
+    )
+    k8s.add_argument("--islands", type=int, required=True, help="number of islands (one worker Job each)")
+    k8s.add_argument(
+        "--hosts-per-island", dest="hosts_per_island", type=int, required=True, help="hosts (worker pods) per island"
+    )
+    k8s.add_argument(
+        "--devices-per-host", dest="devices_per_host", type=int, required=True, help="devices (chips) per host"
+    )
+    k8s.add_argument("--accelerator", default="cpu", help="cpu, tpu-v5e:2x2 or nvidia-h100:8 (default cpu)")
+    k8s.add_argument("--image", default=f"pathways-nb:{__version__}", help="the image built from this repository")
+    k8s.add_argument("--namespace", default=None, help="Kubernetes namespace (default: kubectl's current one)")
+    k8s.add_argument("--name", default="pathways-nb", help="the JobSet's name, which prefixes every object's")
+    k8s.add_argument("--output", required=True, help="directory to write the files into")
+    k8s.set_defaults(run=_deploy_k8s)
 
     kernel = commands.add_parser("kernel", parents=[common], help="the Jupyter kernel")
     kernel_commands = kernel.add_subparsers(dest="kernel_command", required=True)
