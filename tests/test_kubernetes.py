@@ -94,7 +94,7 @@ class Pod:
     replicated_job: str
     job_index: int
     pod_index: int
-    hostname: str
+    dns_name: str  # <jobset>-<replicated job>-<job index>-<pod index>.<subdomain>
     container: dict
     metadata: dict
     ports: dict[int, int]  # containerPort -> a free port here
@@ -107,7 +107,7 @@ class Pod:
         match = _FIELD_PATH.match(path)
         if match:
             return self.metadata[match.group(1)][match.group(2)]
-        simple = {"metadata.name": self.hostname, "metadata.namespace": "default", "status.podIP": "127.0.0.1"}
+        simple = {"metadata.namespace": "default", "status.podIP": "127.0.0.1"}
         if path not in simple:
             pytest.fail(f"the manifest reads {path!r} through the downward API, which this test does not simulate")
         return simple[path]
@@ -150,8 +150,8 @@ def plan_pods(objects: list[dict], secrets_directory: pathlib.Path) -> list[Pod]
                     {p["containerPort"]: _free_port() for p in container.get("ports", [])},
                 )
                 pods.append(pod)
-    addresses = {f"{p.hostname}:{port}": f"127.0.0.1:{local}" for p in pods for port, local in p.ports.items()}
-    addresses.update({p.hostname: "127.0.0.1" for p in pods})
+    addresses = {f"{p.dns_name}:{port}": f"127.0.0.1:{local}" for p in pods for port, local in p.ports.items()}
+    addresses.update({p.dns_name: "127.0.0.1" for p in pods})
     for pod in pods:
         spec = next(
             r["template"]["spec"]["template"]["spec"]
@@ -206,20 +206,22 @@ def _health_check(pod: Pod) -> None:
     port = pod.ports[pod.container["readinessProbe"]["grpc"]["port"]]
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
-    assert reply.status == health_pb2.HealthCheckResponse.SERVING, f"{pod.hostname} is not ready"
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING, f"{pod.dns_name} is not ready"
 
 
 @contextlib.contextmanager
 def running(objects: list[dict], directory: pathlib.Path) -> Iterator[list[Pod]]:
     """Starts every pod in the JobSet's order (a replicated job after those it depends on are ready)."""
     pods = plan_pods(objects, directory)
-    jobset = by_kind(objects, "JobSet")
+    replicated = {r["name"]: r for r in by_kind(objects, "JobSet")["spec"]["replicatedJobs"]}
+    dependencies = {name: {d["name"] for d in r.get("dependsOn", [])} for name, r in replicated.items()}
+    first = {name for name, needs in dependencies.items() if not needs}
+    assert all(needs <= first for needs in dependencies.values()), "this test starts two waves: update it"
     try:
-        for wave in (False, True):  # first those without dependsOn, then the others (they depend on the first)
-            group = {r["name"] for r in jobset["spec"]["replicatedJobs"] if bool(r.get("dependsOn")) == wave}
+        for group in (first, set(replicated) - first):
             for pod in pods:
                 if pod.replicated_job in group:
-                    pod.server = ChildServer(pod.hostname, pod.args, env=_environment(pod))
+                    pod.server = ChildServer(pod.dns_name, pod.args, env=_environment(pod))
                     pod.server.launch()
             for pod in pods:
                 if pod.replicated_job in group:
@@ -243,7 +245,7 @@ def restart(pod: Pod) -> None:
     """What the kubelet does for ``restartPolicy: OnFailure``: the same command again, in the same pod."""
     assert pod.server is not None
     pod.server.close()
-    pod.server = ChildServer(pod.hostname, pod.args, env=_environment(pod))
+    pod.server = ChildServer(pod.dns_name, pod.args, env=_environment(pod))
     pod.server.start(120)
     _health_check(pod)
 
@@ -367,7 +369,7 @@ def test_objects_validate(shape, tmp_path, no_network):
     # Before localizing, a worker advertises its own pod's DNS name.
     worker = next(p for p in reversed(pods) if p.replicated_job == "worker")
     advertised = next(a for a in worker.container["args"] if a.startswith("--advertise_address="))
-    assert expand(advertised, worker.env) == f"--advertise_address={worker.hostname}"
+    assert expand(advertised, worker.env) == f"--advertise_address={worker.dns_name}"
 
 
 def _first_depends(jobset: dict) -> None:
