@@ -9,7 +9,6 @@ through ``reply``, which may send replies out of order, as the protocol allows.
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import logging
 import threading
@@ -21,6 +20,7 @@ from typing import Any
 from pathways_nb import session_options
 from pathways_nb.dataflow import ArrayRecord, Pending, run_after
 from pathways_nb.events import event
+from pathways_nb.memory import release_free_memory
 from pathways_nb.protocol import schema
 from pathways_nb.protocol.errors import (
     FailedPrecondition,
@@ -185,12 +185,6 @@ class Session:
         self.arrays[handle] = record
         return handle
 
-    def fail_handles(self, handles: Iterable[int], error: RequestError) -> None:
-        """Makes each client-chosen handle hold ``error`` (used when its request failed)."""
-        for handle in handles:
-            record = self.arrays.get(handle)
-            if record is None:
-                self.arrays[handle] = ArrayRecord.failed(0, (), None, error)
     def add_new_arrays(
         self, handles: Sequence[int], records: Sequence[ArrayRecord], for_what: str, credit: int = 0
     ) -> None:
@@ -215,6 +209,12 @@ class Session:
         if len(set(handles)) != len(handles):
             raise InvalidRequest(f"a request names the same result handle twice: {list(handles)}")
 
+    def fail_handles(self, handles: Iterable[int], error: RequestError) -> None:
+        """Makes each client-chosen handle hold ``error`` (used when its request failed)."""
+        for handle in handles:
+            record = self.arrays.get(handle)
+            if record is None:
+                self.arrays[handle] = ArrayRecord.failed(0, (), None, error)
             elif not record.ready:
                 record.fail(error)
 
@@ -285,14 +285,6 @@ class Session:
         if self._devices is not None:
             self._devices.release()
         release_free_memory()
-
-
-def release_free_memory() -> None:
-    """Hands memory freed by a closed session back to the OS (glibc keeps it in its arenas)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _short(request) -> str:

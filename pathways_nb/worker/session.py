@@ -17,6 +17,7 @@ import numpy as np
 
 from pathways_nb.dataflow import ArrayRecord, run_after
 from pathways_nb.events import EventSink, event
+from pathways_nb.memory import release_free_memory
 from pathways_nb.protocol import dtypes
 from pathways_nb.protocol.errors import InvalidRequest, NotFound, RequestError, as_request_error
 from pathways_nb.rpc import cluster_pb2 as pb
@@ -315,3 +316,4 @@ class WorkerSession:
         for record in arrays.values():
             if record.value is not None and not record.value.is_deleted():
                 record.value.delete()
+        release_free_memory()

@@ -1,0 +1,205 @@
+"""A soak of a cluster: many client processes, mixed work, churn and a killed client, then a memory check.
+
+Each client is a real JAX process that connects (and, now and then,
+disconnects and connects again), and loops over a fixed set of workloads:
+uploads and reads of several dtypes and shapes, jitted programs on one
+device and on a sharded mesh of an island, copies between islands. Every
+result is compared with the same work on the client's own CPU devices: any
+difference is a wrong result. One client is killed mid-run (SIGKILL), as a
+crashed notebook would be; the others must finish. Afterwards the cluster's
+processes must be back near the memory they used after a warm-up.
+
+``benchmarks/soak.py`` runs the full soak (8 clients, 60 s); the test suite a
+small one. The workload set is fixed and a warm-up client runs all of it
+once, so during the soak nothing new is compiled and caches do not grow.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import textwrap
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import psutil
+
+from pathways_nb.cluster import LocalCluster
+from pathways_nb.testing import python_process
+
+CLIENT = """
+    import itertools, json, random, sys, time
+    import jax, jax.numpy as jnp, numpy as np, pathways_nb
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    address, seconds, seed, token = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    jax.config.update("jax_num_cpu_devices", 4)             # local twins of an island's devices, for the checks
+    rng = random.Random(seed)
+    cpu = jax.devices("cpu")
+    PROGRAMS = [jax.jit(lambda x: jnp.tanh(x @ x.T).sum(axis=0)), jax.jit(lambda x: (x * 3 + 1).astype(jnp.float32)),
+                jax.jit(lambda x: jnp.cumsum(x, axis=-1))]
+    SHAPES = [(8, 8), (128, 64)]
+    DTYPES = [np.float32, np.float16]
+    KINDS = ["upload", "program", "sharded", "between islands"]
+
+    def same(remote, local):
+        remote, local = np.asarray(remote), np.asarray(local)
+        return remote.dtype == local.dtype and remote.shape == local.shape and np.array_equal(remote, local)
+
+    def work(kind, shape, dtype, program, island, islands):
+        x = (np.random.default_rng(rng.randrange(1 << 30)).standard_normal(shape) * 4).astype(dtype)
+        device = islands[island][0]
+        if kind == "upload":
+            return same(jax.device_put(x, device), x)
+        if kind == "program":
+            return same(program(jax.device_put(x, device)), program(jax.device_put(x, cpu[0])))
+        if kind == "sharded":
+            size = len(islands[island])
+            sharded = jax.device_put(x, NamedSharding(Mesh(np.array(islands[island]), ("x",)), P("x")))
+            local = jax.device_put(x, NamedSharding(Mesh(np.array(cpu[:size]), ("x",)), P("x")))
+            return same(program(sharded), program(local))
+        other = islands[(island + 1) % len(islands)][-1]
+        return same(jax.device_put(jax.device_put(x, device), other), x)
+
+    def everything(islands):
+        # Every combination once: after a warm-up that ran it, nothing new is compiled.
+        return itertools.product(KINDS, SHAPES, DTYPES, PROGRAMS, sorted(islands))
+
+    report = {"seed": seed, "iterations": 0, "wrong": 0, "wrong_work": [], "errors": [], "connects": 0}
+    started = time.monotonic()
+    while True:
+        pathways_nb.connect(address, tenant=f"soak-{seed}", token=token or None, progress=False)
+        report["connects"] += 1
+        islands = {}
+        for d in jax.devices("proxy"):
+            islands.setdefault(d.slice_index, []).append(d)
+        combos = list(everything(islands))
+        chosen = combos if seconds == 0 else [rng.choice(combos) for _ in range(rng.randrange(20, 60))]
+        for combo in chosen:
+            try:
+                if not work(*combo, islands):
+                    report["wrong"] += 1
+                    report["wrong_work"].append(f"{combo[0]} {combo[1]} {np.dtype(combo[2]).name} island {combo[4]}")
+            except Exception as error:
+                report["errors"].append(f"{type(error).__name__}: {str(error)[:300]}")
+            report["iterations"] += 1
+            if time.monotonic() - started >= seconds > 0:
+                break
+        pathways_nb.disconnect()
+        print(json.dumps({"progress": report["iterations"]}), flush=True)
+        if time.monotonic() - started >= seconds:
+            break
+    print(json.dumps(report), flush=True)
+"""
+
+
+@dataclass
+class SoakReport:
+    """What a soak saw: per-client results, the killed client, and server memory before and after."""
+
+    clients: list[dict] = field(default_factory=list)
+    killed_seed: int | None = None
+    killed_ok: bool = False
+    rss_before: dict[str, int] = field(default_factory=dict)
+    rss_after: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def wrong(self) -> int:
+        return sum(c["wrong"] for c in self.clients)
+
+    @property
+    def errors(self) -> list[str]:
+        return [e for c in self.clients for e in c["errors"]]
+
+    @property
+    def iterations(self) -> int:
+        return sum(c["iterations"] for c in self.clients)
+
+    def memory_growth(self) -> dict[str, float]:
+        """Each server process's RSS after the soak relative to after the warm-up (1.0: unchanged)."""
+        return {name: self.rss_after[name] / before for name, before in self.rss_before.items()}
+
+    def table(self) -> str:
+        lines = [
+            f"soak: {len(self.clients)} surviving clients + 1 killed, {self.seconds:.0f} s, "
+            f"{self.iterations} checked operations, {self.wrong} wrong, {len(self.errors)} errors",
+            "| process | RSS after warm-up (MiB) | RSS after soak (MiB) | ratio |",
+            "|---|---|---|---|",
+        ]
+        for name, ratio in sorted(self.memory_growth().items()):
+            lines.append(
+                f"| {name} | {self.rss_before[name] / 2**20:.0f} | {self.rss_after[name] / 2**20:.0f} | {ratio:.3f} |"
+            )
+        return "\n".join(lines)
+
+
+def _rss(cluster: LocalCluster) -> dict[str, int]:
+    return {child.name: psutil.Process(child.process.pid).memory_info().rss for child in cluster.processes()}
+
+
+def _wait_for_no_sessions(cluster: LocalCluster, timeout_s: float) -> None:
+    """Waits until the proxy has ended every session and the resource manager holds no allocation."""
+    from pathways_nb.observe import Observer
+
+    observer = Observer(cluster.address, token=cluster.token)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while observer.state().sessions or cluster.state().allocations:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"sessions still open after the soak: {observer.state().sessions}")
+            time.sleep(0.2)
+    finally:
+        observer.close()
+
+
+def _client(cluster: LocalCluster, seconds: float, seed: int) -> subprocess.Popen:
+    return python_process(CLIENT, cluster.address, str(seconds), str(seed), cluster.token)
+
+
+def run(cluster: LocalCluster, clients: int = 8, seconds: float = 60.0, settle_s: float = 2.0) -> SoakReport:
+    """Soaks ``cluster``: ``clients`` processes for ``seconds``, one of them killed halfway."""
+    report = SoakReport()
+    warmup = _client(cluster, 0, 0)  # every workload once
+    out, err = warmup.communicate(timeout=300)
+    if warmup.returncode != 0:
+        raise RuntimeError(f"the warm-up client failed:\n{err[-3000:]}")
+    _wait_for_no_sessions(cluster, 30)
+    time.sleep(settle_s)
+    report.rss_before = _rss(cluster)
+    started = time.monotonic()
+    processes = [_client(cluster, seconds, seed) for seed in range(1, clients + 1)]
+    victim = processes[-1]
+    report.killed_seed = clients
+    # Kill one client once it is well into its work (it has reported progress at least once).
+    victim.stdout.readline()
+    time.sleep(min(seconds / 4, 5.0))
+    victim.send_signal(signal.SIGKILL)
+    victim.communicate()
+    report.killed_ok = victim.returncode == -signal.SIGKILL
+    for process in processes[:-1]:
+        out, err = process.communicate(timeout=seconds + 300)
+        if process.returncode != 0:
+            raise RuntimeError(f"a soak client failed (status {process.returncode}):\n{err[-3000:]}")
+        report.clients.append(json.loads(out.strip().splitlines()[-1]))
+    report.seconds = time.monotonic() - started
+    _wait_for_no_sessions(cluster, 60)
+    time.sleep(settle_s)
+    report.rss_after = _rss(cluster)
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m pathways_nb.soak [--clients N] [--seconds S]``: soak a fresh 2-island cluster."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=textwrap.dedent(__doc__).splitlines()[0])
+    parser.add_argument("--clients", type=int, default=8, help="client processes (one of them is killed)")
+    parser.add_argument("--seconds", type=float, default=60.0, help="how long each client works")
+    args = parser.parse_args(argv)
+    with LocalCluster(islands=2, devices_per_host=2) as cluster:
+        report = run(cluster, args.clients, args.seconds)
+    print(report.table())
+    return 0 if report.wrong == 0 and not report.errors else 1
