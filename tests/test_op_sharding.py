@@ -255,6 +255,17 @@ def test_malformed_op_shardings_are_invalid_requests(serialized, num_devices, me
         op_sharding.read(serialized, num_devices)
 
 
+def _named_op() -> bytes:
+    """A named (V3) OpSharding as jaxlib >= 0.11 writes it: array dimension 0 split over mesh axis x of size 2.
+
+    jaxlib 0.10.2's ``HloSharding.from_proto`` reads it, then aborts the process when asked for its tiles.
+    """
+    named = MESSAGES.xla.NamedShardingProto()
+    named.mesh.axes.add(name="x", size=2)
+    named.dim_shardings.add().axes.add(mesh_axis_index=0)
+    return OpSharding(type=op_sharding.OTHER, named_sharding=named).SerializeToString()
+
+
 UNSUPPORTED = [
     (OpSharding(type=op_sharding.MANUAL).SerializeToString(), 2, "MANUAL"),
     (OpSharding(type=op_sharding.UNREDUCED).SerializeToString(), 2, "UNREDUCED"),
@@ -277,11 +288,7 @@ UNSUPPORTED = [
         2,
         NEWER,
     ),
-    (
-        OpSharding(type=op_sharding.OTHER, named_sharding=MESSAGES.xla.NamedShardingProto()).SerializeToString(),
-        2,
-        f"{NEWER}.*named",
-    ),
+    (_named_op(), 2, f"{NEWER}.*named"),
 ]
 
 
@@ -380,11 +387,10 @@ def test_bad_shardings_through_the_server_are_refused_and_it_keeps_serving(backe
     with WireSession(backend.address) as wire:
         init = wire.call("init_request", wire.messages.proxy.InitRequest()).init_response
         devices = list(init.addressable_device_ids) or [d.id for d in init.all_devices]
-        named = OpSharding(type=op_sharding.OTHER, named_sharding=MESSAGES.xla.NamedShardingProto())
         cases = [
             (_empty_concrete_even(), grpc.StatusCode.INVALID_ARGUMENT, "ConcreteEvenSharding with no devices"),
             (_hlo_sharding(devices[:2], NEWER_OP), grpc.StatusCode.UNIMPLEMENTED, NEWER),
-            (_hlo_sharding(devices[:2], named.SerializeToString()), grpc.StatusCode.UNIMPLEMENTED, NEWER),
+            (_hlo_sharding(devices[:2], _named_op()), grpc.StatusCode.UNIMPLEMENTED, NEWER),
         ]
         for handle, (proto, code, message) in enumerate(cases, start=100):
             wire.store_host_buffer(handle, np.zeros((2, 2), np.float32).tobytes())

@@ -1,8 +1,8 @@
 """``xla.OpSharding`` read in pure Python, so client input never reaches XLA's C++ in the proxy.
 
-XLA's own reader (``xc.HloSharding.from_proto``) stops the whole process with a
-CHECK on some inputs it does not expect (a newer client's named sharding, an
-empty device list), so the proxy reads OpShardings here instead: it checks
+XLA stops the whole process with a CHECK on some shardings it does not expect
+(``xc.HloSharding.from_proto`` on a newer client's named sharding, a jax
+sharding built over no devices), so the proxy reads OpShardings here: it checks
 every field, answers what the proxy needs (which region of an array each
 device holds, the shard shape, whether every device holds all of it) and
 writes the validated sharding back in the plain form (explicit tile
@@ -47,6 +47,7 @@ _TYPE_NAMES = {
 
 
 def server_jaxlib_version() -> str:
+    """The jaxlib this server runs (its version module loads none of XLA)."""
     import jaxlib.version
 
     return jaxlib.version.__version__
