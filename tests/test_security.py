@@ -77,6 +77,13 @@ def test_health_checks_need_no_token(secured):
         assert answer.status == health_pb2.HealthCheckResponse.SERVING, endpoint
 
 
+def test_children_get_the_token_in_their_environment_and_never_print_it(secured):
+    for child in secured.processes():
+        assert secured.token not in " ".join(child.process.args), child.name
+        assert secured.token not in child.log(), child.name
+        assert child.env[security.TOKEN_ENV] == secured.token
+
+
 # Connects with the token (as tenant argv[3]), runs a jit, reports, and holds its session until stdin closes.
 CLIENT = """
     import json, os, sys, jax, jax.numpy as jnp, numpy as np, pathways_nb
@@ -258,19 +265,3 @@ def test_tls_resource_manager_and_worker(tmp_path):
         for child in (worker, rm):
             if child is not None:
                 child.close()
-
-
-def test_the_kubernetes_manifest_gives_every_server_the_token_from_a_secret():
-    import pathlib
-
-    import yaml
-
-    manifest = pathlib.Path(__file__).resolve().parent.parent / "docs" / "kubernetes" / "pathways-nb.yaml"
-    jobset = next(d for d in yaml.safe_load_all(manifest.read_text()) if d["kind"] == "JobSet")
-    for job in jobset["spec"]["replicatedJobs"]:
-        pod = job["template"]["spec"]["template"]["spec"]
-        secrets = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
-        for container in pod["containers"]:
-            args = cli.build_parser().parse_args(container["args"])
-            mount = next(m for m in container["volumeMounts"] if args.token_file.startswith(m["mountPath"] + "/"))
-            assert secrets[mount["name"]] == "pathways-nb-token", job["name"]
