@@ -362,6 +362,9 @@ def test_objects_validate(shape, tmp_path, no_network):
     (rm,) = commands["resource-manager"]
     platform = {"cpu": "cpu", "tpu-v5e:2x2": "tpu", "nvidia-h100:8": "gpu"}[accelerator]
     assert (rm.instance_count, rm.instance_type) == (islands, f"{platform}:{hosts}x{devices}")
+    (proxy,) = commands["proxy"]
+    # A session may keep half of the CPU workers' memory (2 GiB per device) in arrays; accelerators police their own.
+    assert proxy.session_device_bytes == (islands * hosts * devices * 2**30 if accelerator == "cpu" else 0)
     workers = commands["worker"]
     assert sorted((w.island, w.host_index) for w in workers) == [(i, h) for i in range(islands) for h in range(hosts)]
     assert {w.platform for w in workers} == {{"cpu": "cpu", "tpu-v5e:2x2": "tpu", "nvidia-h100:8": "cuda"}[accelerator]}

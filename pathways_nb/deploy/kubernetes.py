@@ -168,6 +168,7 @@ def jobset(deployment: Deployment) -> dict[str, Any]:
             f"--server_port={PROXY_PORT}",
             *server_flags,
             f"--resource_manager_address={d.resource_manager_address}",
+            f"--session_device_bytes={_session_device_bytes(d)}",
         ],
         port=PROXY_PORT,
         requests={"cpu": "1", "memory": "4Gi"},
@@ -189,11 +190,7 @@ def jobset(deployment: Deployment) -> dict[str, Any]:
             f"--devices={d.devices_per_host}",
         ],
         port=WORKER_PORT,
-        requests=(
-            {"cpu": str(d.devices_per_host), "memory": f"{2 * d.devices_per_host}Gi"}
-            if accelerator.resource is None
-            else {"cpu": "8", "memory": "32Gi"}
-        ),
+        requests=_worker_requests(d),
         limits=accelerator.worker_resources(),
         env=[
             {
@@ -219,6 +216,28 @@ def jobset(deployment: Deployment) -> dict[str, Any]:
             "replicatedJobs": [resource_manager, proxy, worker],
         },
     }
+
+
+def _worker_memory_gib(d: Deployment) -> int | None:
+    """The memory a CPU worker asks for (its devices' arrays live there); None for accelerators."""
+    return 2 * d.devices_per_host if d.accelerator.resource is None else None
+
+
+def _worker_requests(d: Deployment) -> dict[str, str]:
+    memory = _worker_memory_gib(d)
+    if memory is None:  # the arrays live in the chips' memory
+        return {"cpu": "8", "memory": "32Gi"}
+    return {"cpu": str(d.devices_per_host), "memory": f"{memory}Gi"}
+
+
+def _session_device_bytes(d: Deployment) -> int:
+    """The proxy's per-session device memory quota: half the CPU workers' memory; 0 (none) for accelerators.
+
+    The proxy's default is half of its own machine's memory, which says nothing of the workers' here;
+    accelerators' runtimes enforce their own limit.
+    """
+    memory = _worker_memory_gib(d)
+    return 0 if memory is None else d.islands * d.hosts_per_island * memory * 2**30 // 2
 
 
 def proxy_service(deployment: Deployment) -> dict[str, Any]:
