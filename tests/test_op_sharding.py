@@ -20,8 +20,10 @@ from jax._src.lib import xla_client as xc
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from pathways_nb import testing
 from pathways_nb.protocol import dtypes, op_sharding, schema, shardings
 from pathways_nb.protocol.errors import InvalidRequest, Unimplemented
+from pathways_nb.rpc import convert
 from pathways_nb.testing import WireSession
 
 MESSAGES = schema.load()
@@ -365,6 +367,76 @@ def test_from_proto_checks_the_op_sharding_and_unknown_fields():
         replicate_on_last_tile_dim=True,
     )
     assert shardings.from_proto(_hlo_sharding([4, 5], all_ones)).op_sharding is None
+
+
+def test_program_output_shardings_are_read_without_xla():
+    tiled = _tiled(tile_assignment_dimensions=[2], tile_assignment_devices=[1, 0])
+    replicated = OpSharding(type=op_sharding.REPLICATED).SerializeToString()
+    got = convert.output_shardings((tiled, replicated), (4, 5), 2)
+    assert got == (shardings.IfrtSharding((4, 5), None, tiled), shardings.IfrtSharding((4, 5)))
+    with pytest.raises(Unimplemented, match="result 1 of the program: MANUAL"):
+        convert.output_shardings((tiled, OpSharding(type=op_sharding.MANUAL).SerializeToString()), (4, 5), 2)
+
+
+WORKER_RUNTIME = """
+    import numpy as np
+    from pathways_nb.protocol import schema
+    from pathways_nb.protocol.errors import RequestError
+    from pathways_nb.protocol.shardings import IfrtSharding
+    from pathways_nb.worker.runtime import LocalRuntime
+
+    runtime = LocalRuntime("cpu", 4)
+    OpSharding = schema.load().xla.OpSharding
+    tiled = OpSharding(type=3, tile_assignment_dimensions=[2, 2], iota_reshape_dims=[4], iota_transpose_perm=[0])
+    named = OpSharding(type=3)
+    named.named_sharding.mesh.axes.add(name="x", size=2)
+    named.named_sharding.dim_shardings.add().axes.add(mesh_axis_index=0)
+    bad = {
+        "empty": IfrtSharding(()),
+        "empty tiled": IfrtSharding((), None, tiled.SerializeToString()),
+        "count": IfrtSharding((0, 1), None, tiled.SerializeToString()),
+        "named": IfrtSharding((0, 1), None, named.SerializeToString()),
+        "memory": IfrtSharding((0, 1), "hbm"),
+        "twice": IfrtSharding((0, 0)),
+        "unknown": IfrtSharding((0, 9)),
+    }
+    for name, sharding in bad.items():
+        for method in (runtime.check_sharding, runtime.jax_sharding):
+            try:
+                method(sharding)
+            except RequestError as e:
+                print(f"{name}|{type(e).__name__} {e.message}")
+            else:
+                print(f"{name}|accepted")
+    good = IfrtSharding((3, 2, 1, 0), None, tiled.SerializeToString())
+    array = runtime.put(np.arange(16, dtype=np.float32).reshape(4, 4), good)
+    placed = {shard.device.id: shard.index for shard in array.addressable_shards}
+    print(f"good|{placed == dict(zip(good.device_ids, good.shard_indices((4, 4))))}")
+"""
+
+
+def test_the_worker_runtime_refuses_bad_shardings_before_xla_sees_them():
+    """LocalRuntime (the workers' and the single-process proxy's) checks in Python first; XLA would abort."""
+    process = testing.python_process(WORKER_RUNTIME)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 0, err[-3000:]
+    results: dict[str, list[str]] = {}
+    for line in out.splitlines():
+        name, _, result = line.partition("|")
+        results.setdefault(name, []).append(result)
+    assert results.pop("good") == ["True"], out
+    expected = {
+        "empty": "InvalidRequest a sharding over no devices",
+        "empty tiled": "InvalidRequest a sharding over no devices",
+        "count": "InvalidRequest an OpSharding for 4 devices (tiles [2, 2]) was sent with 2 devices",
+        "named": f"Unimplemented this sharding uses a format {NEWER}",
+        "memory": "InvalidRequest memory kind 'hbm' does not exist",
+        "twice": "InvalidRequest a sharding lists a device twice",
+        "unknown": "NotFound device 9 is not one of this server's devices",
+    }
+    assert set(results) == set(expected), out
+    for name, prefix in expected.items():
+        assert len(results[name]) == 2 and all(r.startswith(prefix) for r in results[name]), (name, results[name])
 
 
 # -- through a real server ------------------------------------------------------------------------
