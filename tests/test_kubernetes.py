@@ -421,6 +421,7 @@ def test_the_schemas_catch_a_broken_service(tmp_path, no_network):
         (["--accelerator", "tpu-v5e:2x2", "--hosts-per-island", "3"], "choose one of those host counts"),
         (["--name", "Pathways"], "cannot name Kubernetes objects"),
         (["--islands", "0"], "each must be at least 1"),
+        (["--namespace", "ML_team"], "is not a Kubernetes namespace name"),
     ],
 )
 def test_bad_arguments_say_what_to_do(flags, message, tmp_path, capsys):
@@ -446,6 +447,24 @@ def test_committed_manifests_are_fresh(tmp_path):
     assert kubernetes.SECRET_FILE in (DOCS_MANIFESTS / ".gitignore").read_text().split()
     assert (REPOSITORY / "Dockerfile").read_text() == (fresh / "Dockerfile").read_text()
     assert (REPOSITORY / ".dockerignore").read_text() == (fresh / "Dockerfile.dockerignore").read_text()
+
+
+def test_name_and_namespace_reach_every_object(tmp_path, no_network):
+    objects = load_objects(deploy(tmp_path, *DOCUMENTED, "--name", "demo", "--namespace", "ml-team"))
+    assert {(o["kind"], o["metadata"]["name"], o["metadata"]["namespace"]) for o in objects} == {
+        ("JobSet", "demo", "ml-team"),
+        ("Service", "demo-proxy", "ml-team"),
+        ("Secret", "demo-token", "ml-team"),
+    }
+    validate_jobset(by_kind(objects, "JobSet"))
+    assert by_kind(objects, "Service")["spec"]["selector"]["jobset.sigs.k8s.io/jobset-name"] == "demo"
+    pods = plan_pods(objects, tmp_path / "secrets")
+    proxy = next(p for p in pods if p.replicated_job == "proxy")
+    assert "--resource_manager_address=demo-rm-0-0.demo:29001" in proxy.container["args"]
+    assert {p.dns_name for p in pods if p.replicated_job == "worker"} == {
+        "demo-worker-0-0.demo",
+        "demo-worker-1-0.demo",
+    }
 
 
 def test_the_token_is_kept_when_deploying_again(tmp_path):

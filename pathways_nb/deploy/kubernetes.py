@@ -57,7 +57,9 @@ BACKOFF_LIMIT = 10_000
 # After a Job has failed anyway, JobSet recreates the whole cluster this many times.
 MAX_JOBSET_RESTARTS = 3
 
+# Object names that become host names (RFC 1035 labels), and namespaces (RFC 1123 labels).
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
 @dataclass(frozen=True)
@@ -89,8 +91,11 @@ class Deployment:
             raise ValueError(
                 f"--name {self.name!r} is too long: pod host names such as {longest} must fit in 63 characters"
             )
-        if self.namespace is not None and not _DNS_LABEL.match(self.namespace):
-            raise ValueError(f"--namespace {self.namespace!r} is not a valid Kubernetes namespace name")
+        if self.namespace is not None and not _NAMESPACE.match(self.namespace):
+            raise ValueError(
+                f"--namespace {self.namespace!r} is not a Kubernetes namespace name: use at most 63 lower-case "
+                "letters, digits and '-', e.g. ml-team"
+            )
         if not self.image or any(c.isspace() for c in self.image):
             raise ValueError(f"--image {self.image!r} is not an image reference, e.g. registry/pathways-nb:0.1.0")
 
