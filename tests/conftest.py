@@ -25,6 +25,10 @@ from pathways_nb.notebook import kernelspec
 jax.config.update("jax_num_cpu_devices", 4)
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: minutes, not seconds (a full pip install); run by make test")
+
+
 @pytest.fixture(scope="session")
 def proxy_server():
     with testing.proxy_process(4, "--host_buffer_timeout", "5") as server:
