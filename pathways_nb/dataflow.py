@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pathways_nb.protocol import dtypes
-from pathways_nb.protocol.errors import RequestError, as_request_error
+from pathways_nb.protocol.errors import FailedPrecondition, RequestError, as_request_error
 from pathways_nb.protocol.shardings import IfrtSharding
 
 Callback = Callable[[Any, BaseException | None], None]
@@ -165,6 +165,26 @@ class ArrayRecord:
     @property
     def is_deleted(self) -> bool:
         return self.deleted or (self.value is not None and self.value.is_deleted())
+
+    def live(self) -> Any:
+        """The value, for work that reads it; a clear error if the array was deleted (or donated) first."""
+        if self.is_deleted:
+            raise FailedPrecondition(
+                f"a {list(self.shape)} array was deleted (or donated to a program) before this request read it"
+            )
+        return self.value
+
+    def read(self, read: Callable[[Any], Any]) -> Any:
+        """``read(value)`` off the request stream: a deletion that races it is FAILED_PRECONDITION, not a crash."""
+        value = self.live()
+        try:
+            return read(value)
+        except RuntimeError as error:  # jax: "Array has been deleted"
+            if self.is_deleted:
+                raise FailedPrecondition(
+                    f"a {list(self.shape)} array was deleted (or donated to a program) while it was being read"
+                ) from error
+            raise
 
 
 def run_after(

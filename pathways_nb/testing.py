@@ -63,7 +63,8 @@ class WireSession:
             iter(self._requests.get, None),
             metadata=((SESSION_METADATA_KEY, metadata.SerializeToString()),),
         )
-        self.session_id = self.call("init_request", self.messages.proxy.InitRequest()).init_response.session_id
+        self.init_response = self.call("init_request", self.messages.proxy.InitRequest()).init_response
+        self.session_id = self.init_response.session_id
 
     def send_raw(self, data: bytes) -> None:
         """Puts arbitrary bytes on the stream as one message."""

@@ -59,6 +59,7 @@ class Session:
         self.context = context
         # The session's devices, from ``open_devices`` (the init request).
         self._devices: DeviceSession | None = None
+        self._devices_requested = False
         # What the client sent as ClientConnectionOptions.initialization_data.
         self.init_attributes = init_attributes or {}
         self.events = context.events.sink(self.tenant)
@@ -83,6 +84,10 @@ class Session:
 
     def open_devices(self) -> DeviceSession:
         """Gets this session's devices (blocks while the cluster has no capacity)."""
+        with self.lock:
+            if self._devices_requested:
+                raise FailedPrecondition("this session already asked for its devices: init is sent once, first")
+            self._devices_requested = True
         started = time.time()
         with self.context.activities.track("wait", "waiting for devices", self.tenant):
             devices = self.context.runtime.open_session(self.session_id, self.init_attributes, self.events)

@@ -127,7 +127,7 @@ class WorkerSession:
         self._derive(
             parts,
             [record],
-            lambda: record.set(self.runtime.assemble(record.shape, record.sharding, [p.value for p in parts])),
+            lambda: record.set(self.runtime.assemble(record.shape, record.sharding, [p.live() for p in parts])),
         )
 
     def _disassemble(self, command: pb.Disassemble) -> None:
@@ -136,7 +136,7 @@ class WorkerSession:
         outputs = [self._new(i) for i in command.ids]
 
         def split() -> None:
-            for output, value in zip(outputs, self.runtime.disassemble(source.value, sharding), strict=True):
+            for output, value in zip(outputs, self.runtime.disassemble(source.live(), sharding), strict=True):
                 output.set(value)
 
         self._derive([source], outputs, split)
@@ -145,7 +145,7 @@ class WorkerSession:
         source = self._record(command.source)
         sharding = sharding_from_proto(command.sharding)
         record = self._new(command.id)
-        self._derive([source], [record], lambda: record.set(self.runtime.copy(source.value, sharding)))
+        self._derive([source], [record], lambda: record.set(self.runtime.copy(source.live(), sharding)))
 
     def _compile(self, command: pb.Compile) -> None:
         def compile_now():
@@ -176,10 +176,12 @@ class WorkerSession:
 
     def _fetch(self, command: pb.Fetch) -> None:
         record = self._record(command.id)
-        self._answer_when_ready([record], command.request, lambda: self._send_bytes(command.request, record.value))
+        self._answer_when_ready(
+            [record], command.request, lambda: self._send_bytes(command.request, record.read(self.runtime.to_host))
+        )
 
-    def _send_bytes(self, request: int, value) -> None:
-        data = memoryview(np.ascontiguousarray(self.runtime.to_host(value)).reshape(-1).view(np.uint8))
+    def _send_bytes(self, request: int, host: np.ndarray) -> None:
+        data = memoryview(np.ascontiguousarray(host).reshape(-1).view(np.uint8))
         if not data.nbytes:
             self._reply(pb.Reply(request=request, data=b""))
         for start in range(0, data.nbytes, CHUNK_BYTES):
@@ -235,7 +237,7 @@ class WorkerSession:
         start, stop = tuple(command.start), tuple(command.stop)
 
         def read():
-            host = self.runtime.to_host(source.value)
+            host = source.read(self.runtime.to_host)
             if start:
                 host = host[tuple(slice(a, b) for a, b in zip(start, stop, strict=True))]
             return np.ascontiguousarray(host)

@@ -191,7 +191,7 @@ def copy_to_host_buffer(session, request, op_id):
         nbytes = _strided_extent(record.shape, dtypes.to_numpy(record.kind).itemsize, strides)
         reserved = session.host_buffers.reserve(nbytes, f"reading array {request.array_handle}")
         try:
-            return _strided_bytes(session.runtime.to_host(record.value), strides), reserved
+            return _strided_bytes(record.read(session.runtime.to_host), strides), reserved
         except BaseException:
             session.host_buffers.release(reserved)
             raise
@@ -296,7 +296,7 @@ def assemble(session, request, op_id):
         request.result_handle,
         inputs,
         record,
-        lambda: session.runtime.assemble(shape, sharding, [r.value for r in inputs]),
+        lambda: session.runtime.assemble(shape, sharding, [r.live() for r in inputs]),
         request.copy_semantics,
     )
     return session.messages.proxy.AssembleArrayFromSingleDeviceArraysResponse(array_handle=handle)
@@ -320,7 +320,7 @@ def disassemble(session, request, op_id):
         session.add_array(handle, part)
 
     def split():
-        for part, value in zip(parts, session.runtime.disassemble(source.value, sharding), strict=True):
+        for part, value in zip(parts, session.runtime.disassemble(source.live(), sharding), strict=True):
             part.set(value)
 
     session.after([source], split, outputs=parts)
@@ -336,7 +336,7 @@ def fully_replicated_shard(session, request, op_id):
     def first_shard():
         if source.sharding.op_sharding is not None:
             raise InvalidRequest("the array is not fully replicated; disassemble it to read one shard")
-        return session.runtime.disassemble(source.value, source.sharding)[0]
+        return session.runtime.disassemble(source.live(), source.sharding)[0]
 
     handle = _derive(
         session, request.result_handle, [source], record, first_shard, request.copy_semantics, new_memory=False
@@ -359,7 +359,7 @@ def _move_all(session, sources: list[ArrayRecord], targets: list[IfrtSharding], 
                 handle,
                 [source],
                 record,
-                lambda s=source, t=target: session.runtime.copy(s.value, t),
+                lambda s=source, t=target: session.runtime.copy(s.live(), t),
                 semantics,
             )
         )
@@ -413,7 +413,7 @@ def remap_arrays(session, request, op_id):
     session.add_new_arrays(result_handles, outputs, f"{len(outputs)} remapped array(s)", credit=donated)
 
     def remap():
-        pieces = [session.runtime.disassemble(s.value, s.sharding) for s in sources]
+        pieces = [session.runtime.disassemble(s.live(), s.sharding) for s in sources]
         placed: list[list] = [[None] * len(o.sharding.device_ids) for o in outputs]
         for in_array, i, out_array, j in moves:
             placed[out_array][j] = pieces[in_array][i]

@@ -33,13 +33,70 @@ def _assignment_devices(options) -> tuple[int, ...]:
         raise InvalidRequest("the compile options carry no device assignment; the client must name the devices")
     assignment = build.device_assignment
     replicas, partitions = assignment.replica_count, assignment.computation_count
+    if replicas < 1 or partitions < 1:
+        raise InvalidRequest(f"a device assignment of {replicas} replicas x {partitions} partitions runs nowhere")
     if len(assignment.computation_devices) != partitions or any(
         len(c.replica_device_ids) != replicas for c in assignment.computation_devices
     ):
         raise InvalidRequest("the device assignment does not match its replica and partition counts")
-    return tuple(
+    device_ids = tuple(
         assignment.computation_devices[p].replica_device_ids[r] for r in range(replicas) for p in range(partitions)
     )
+    if len(set(device_ids)) != len(device_ids):
+        raise InvalidRequest(f"the device assignment names a device twice: {list(device_ids)}")
+    return device_ids
+
+
+# What the stock client sets in ``CompileOptionsProto`` and ``ExecutableBuildOptionsProto``, plus
+# tuning knobs of XLA's own. Anything else (auto-sharding, multi-process, backend-only or portable
+# compiles, tupled arguments, profiles) is refused: several of those abort XLA on a CHECK.
+_COMPILE_OPTIONS = frozenset(
+    {"executable_build_options", "profile_version", "allow_in_place_mlir_modification", "env_option_overrides"}
+)
+_BUILD_OPTIONS = frozenset(
+    {
+        "device_ordinal",
+        "debug_options",
+        "num_replicas",
+        "num_partitions",
+        "use_spmd_partitioning",
+        "device_assignment",
+        "allow_spmd_sharding_propagation_to_output",
+        "allow_spmd_sharding_propagation_to_parameters",
+        "use_shardy_partitioner",
+        "process_count",
+        "process_index",
+        "memory_fitting_level",
+        "exec_time_optimization_effort",
+        "memory_fitting_effort",
+        "optimization_level",
+        "deduplicate_hlo",
+        "alias_passthrough_params",
+    }
+)
+
+
+def _check_options(options) -> None:
+    """Refuses compile options this server does not serve, before XLA sees them."""
+    build = options.executable_build_options
+    for message, allowed in ((options, _COMPILE_OPTIONS), (build, _BUILD_OPTIONS)):
+        for descriptor, _value in message.ListFields():
+            if descriptor.name not in allowed:
+                raise InvalidRequest(
+                    f"compile option {descriptor.name} is not supported by this server; "
+                    "compile without it (jax.jit sets only the usual options)"
+                )
+    assignment = build.device_assignment
+    if (build.num_replicas, build.num_partitions) != (assignment.replica_count, assignment.computation_count):
+        raise InvalidRequest(
+            f"the compile options ask for {build.num_replicas} replicas x {build.num_partitions} partitions, "
+            f"but the device assignment is {assignment.replica_count} x {assignment.computation_count}"
+        )
+    if build.device_ordinal != -1 or build.process_index != 0 or build.process_count not in (0, 1):
+        raise InvalidRequest(
+            "compile options for one device ordinal or for several processes are not supported; "
+            "the device assignment alone says where the program runs"
+        )
 
 
 @handles("compile_request")
@@ -60,6 +117,7 @@ def compile_program(session, request, op_id):
     except Exception as e:
         raise InvalidRequest(f"malformed compile options: {e}") from e
     device_ids = _assignment_devices(options)
+    _check_options(options)
     unknown = [d for d in device_ids if d not in session.device_ids]
     if unknown:
         raise InvalidRequest(f"the program is assigned to devices {unknown}, which this session does not hold")

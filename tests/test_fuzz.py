@@ -1,0 +1,588 @@
+"""Protocol fuzzing: thousands of random and mutated IFRT requests, then a stock client must still work.
+
+Requests are generated from the wire schema read from jaxlib (every kind of
+``IfrtRequest``, random field values, handles that exist and that don't, huge
+and negative dims, empty and huge device lists, random shardings, dtypes and
+type names), or are byte-level mutations of the requests a real jax client
+sent (captured through a relay). Host-buffer calls with random sizes are mixed
+in. Every reply must be a well-formed response; an INTERNAL reply is a server
+bug (an error nobody turned into a clear status). Afterwards every server
+process is alive, a stock jax client computes correctly, and each server's
+memory is back near where it started.
+
+``PATHWAYS_FUZZ_SEED`` and ``PATHWAYS_FUZZ_SECONDS`` (per target) change the run.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import random
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import grpc
+import psutil
+import pytest
+
+from pathways_nb import testing
+from pathways_nb.protocol import data_messages, schema, shardings
+from pathways_nb.testing import WireSession
+
+SEED = int(os.environ.get("PATHWAYS_FUZZ_SEED", "20261201"))
+SECONDS = float(os.environ.get("PATHWAYS_FUZZ_SECONDS", "15"))
+MIB = 1 << 20
+# Growth of a server's resident memory that the fuzzing may leave behind: caches of the
+# programs and shardings it made (the compile cache keeps up to 256 programs) and allocator slack.
+RSS_SLACK = 96 * MIB
+INTERNAL = grpc.StatusCode.INTERNAL.value[0]
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
+
+SHARDING_TYPES = (shardings.SINGLE_DEVICE, shardings.HLO, shardings.CONCRETE_EVEN, shardings.OPAQUE)
+TYPE_NAMES = (*SHARDING_TYPES, "xla::ifrt::XlaProgram", "xla::ifrt::XlaCompileOptions", "xla::ifrt::Unknown", "")
+MEMORY_KINDS = ("device", "pinned_host", "unpinned_host", "hbm", "")
+DIMS = (0, 1, 2, 3, 4, 8, 1000, 1 << 31, 1 << 40, (1 << 63) - 1, -1, -(1 << 40))
+EDGE_INTS = (0, 1, 2, 3, 7, 255, 1 << 31, (1 << 31) - 1, 1 << 48, (1 << 63) - 1, -1, -(1 << 63))
+
+
+# -- a relay that records what a real client sends -----------------------------------------------
+
+
+class _Relay(grpc.GenericRpcHandler):
+    """Forwards the IFRT service to ``target`` as raw bytes and keeps what the client sent."""
+
+    _STREAMING = {"IfrtSession": "stream_stream", "HostBufferStore": "stream_unary", "HostBufferLookup": "unary_stream"}
+
+    def __init__(self, target: str):
+        self.channel = grpc.insecure_channel(target)
+        self.log: list[tuple[str, bytes, dict]] = []  # (method, request bytes, metadata)
+        self._lock = threading.Lock()
+        self.server = grpc.server(ThreadPoolExecutor(16))
+        self.server.add_generic_rpc_handlers((self,))
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    def _record(self, name: str, data: bytes, metadata: dict) -> bytes:
+        with self._lock:
+            self.log.append((name, data, metadata))
+        return data
+
+    def service(self, details):
+        method = details.method
+        name = method.rsplit("/", 1)[-1]
+        kind = self._STREAMING.get(name, "unary_unary")
+        upstream = getattr(self.channel, kind)(method)
+
+        def forwarded(context):
+            metadata = tuple((m.key, m.value) for m in context.invocation_metadata() if m.key.startswith("ifrt-"))
+            return metadata, dict(metadata)
+
+        def recorded(requests, metadata) -> Iterator[bytes]:
+            chunks = []  # an upload is recorded once, whole, when it ends
+            for raw in requests:
+                if name == "HostBufferStore":
+                    chunks.append(bytes(data_messages.decode(raw)))
+                    yield raw
+                else:
+                    yield self._record(name, raw, metadata)
+            if name == "HostBufferStore":
+                self._record(name, b"".join(chunks), metadata)
+
+        def relay(request, context):
+            metadata, as_dict = forwarded(context)
+            try:
+                if kind.startswith("stream"):
+                    request = recorded(request, as_dict)
+                else:
+                    self._record(name, request, as_dict)
+                reply = upstream(request, metadata=metadata)
+                if kind.endswith("stream"):
+                    yield from reply
+                else:
+                    yield reply
+            except grpc.RpcError as e:
+                context.abort(e.code(), e.details())
+
+        def unary(request, context):
+            return next(relay(request, context))
+
+        if kind == "stream_stream":
+            return grpc.stream_stream_rpc_method_handler(relay)
+        if kind == "unary_stream":
+            return grpc.unary_stream_rpc_method_handler(relay)
+        if kind == "stream_unary":
+            return grpc.stream_unary_rpc_method_handler(unary)
+        return grpc.unary_unary_rpc_method_handler(unary)
+
+    def close(self) -> None:
+        self.server.stop(None)
+        self.channel.close()
+
+
+CLIENT = """
+    import sys, jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    devices = jax.devices()
+    x = jax.device_put(np.arange(24, dtype=np.float32).reshape(4, 6), devices[0])
+    y = jax.jit(lambda a: jnp.sin(a) * 2 + a.sum())(x)
+    mesh = jax.sharding.Mesh(np.array(devices[:2]), ("d",))
+    s = jax.device_put(np.ones((4, 6), np.int32), NamedSharding(mesh, P("d")))
+    r = jax.device_put(np.ones((3,), np.float32), NamedSharding(mesh, P()))
+    shard = np.asarray(s.addressable_shards[1].data)
+    z = jax.jit(lambda a, b: (a + 1, b.sum()), donate_argnums=0)(s, r)
+    moved = jax.device_put(y, devices[1])
+    parts = [np.asarray(v) for v in (y, moved, *z)]
+    assert shard.tolist() == [[1] * 6] * 2, shard
+    want = np.sin(np.arange(24, dtype=np.float32).reshape(4, 6)) * 2 + 276
+    assert np.allclose(parts[0], want) and np.allclose(parts[1], want), parts[0]
+    assert parts[2].tolist() == [[2] * 6] * 4 and float(parts[3]) == 3.0, parts[2:4]
+    print("client ok")
+"""
+
+
+def _run_client(address: str, stock: bool) -> str:
+    """Runs ``CLIENT`` against ``address``: with JAX's variables only (stock) or via ``pathways_nb.connect``."""
+    if stock:
+        env = {"JAX_PLATFORMS": "proxy,cpu", "JAX_BACKEND_TARGET": address}
+        env["IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS"] = "true"
+        process = testing.python_process(CLIENT, env=env)
+    else:
+        connect = "import sys, pathways_nb\npathways_nb.connect(sys.argv[1])\n"
+        process = testing.python_process(connect + textwrap.dedent(CLIENT), address)
+    out, err = process.communicate(timeout=180)
+    assert process.returncode == 0 and "client ok" in out, f"client failed:\n{out}\n{err[-4000:]}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def captured(proxy_server) -> list[tuple[str, bytes, dict]]:
+    """What a real jax client sends for device_put, jit (with donation), sharding and reads."""
+    relay = _Relay(proxy_server.hostport)
+    try:
+        _run_client(f"grpc://127.0.0.1:{relay.port}", stock=True)
+    finally:
+        relay.close()
+    return relay.log
+
+
+# -- random requests from the schema ---------------------------------------------------------------
+
+
+@dataclass
+class Handles:
+    """Handles the fuzzer has seen, so that requests often name things that exist."""
+
+    arrays: list[int] = field(default_factory=lambda: [1])
+    programs: list[int] = field(default_factory=lambda: [1 << 48])
+    futures: list[int] = field(default_factory=lambda: [1 << 48])
+    host_buffers: list[int] = field(default_factory=lambda: [1])
+    devices: list[int] = field(default_factory=lambda: [0])
+
+    def learn(self, response) -> None:
+        for name, values in _ints_named(response):
+            target = self.for_field(name)
+            if target is not None:
+                target.extend(v for v in values if v not in target)
+                del target[:-64]
+
+    def for_field(self, name: str) -> list[int] | None:
+        if "executable_handle" in name:
+            return self.programs
+        if "future_handle" in name or "status_handle" in name:
+            return self.futures
+        if "host_buffer_handle" in name:
+            return self.host_buffers
+        if "device_id" in name:
+            return self.devices
+        if "handle" in name:
+            return self.arrays
+        return None
+
+
+def _ints_named(message) -> Iterator[tuple[str, list[int]]]:
+    for descriptor, value in message.ListFields():
+        if descriptor.message_type is not None:
+            for item in value if descriptor.is_repeated else [value]:
+                if hasattr(item, "ListFields"):
+                    yield from _ints_named(item)
+        elif descriptor.cpp_type in (descriptor.CPPTYPE_INT64, descriptor.CPPTYPE_UINT64, descriptor.CPPTYPE_INT32):
+            yield descriptor.name, list(value) if descriptor.is_repeated else [value]
+
+
+class RequestMaker:
+    """Structurally random messages of the IFRT schema, biased towards what handlers must check."""
+
+    def __init__(self, rng: random.Random, handles: Handles):
+        self.rng = rng
+        self.handles = handles
+        self.messages = schema.load()
+        self.kinds = [f.name for f in self.messages.proxy.IfrtRequest.DESCRIPTOR.oneofs_by_name["request"].fields]
+        self.payloads = {
+            shardings.SINGLE_DEVICE: self.messages.ifrt.SingleDeviceShardingProto,
+            shardings.HLO: self.messages.ifrt.HloShardingProto,
+            shardings.CONCRETE_EVEN: self.messages.ifrt.ConcreteEvenShardingProto,
+            shardings.OPAQUE: self.messages.ifrt.OpaqueShardingProto,
+            "xla::ifrt::XlaCompileOptions": self.messages.ifrt.XlaCompileOptionsProto,
+        }
+
+    def request(self, kind: str | None = None):
+        request = self.messages.proxy.IfrtRequest()
+        kind = kind or self.rng.choice(self.kinds)
+        body = getattr(request, kind)
+        body.SetInParent()
+        self.fill(body, 0)
+        if kind == "make_error_arrays_request" and body.error.code == INTERNAL:
+            body.error.code = 2  # an error array the fuzzer made must not read as a server bug
+        return kind, request
+
+    def fill(self, message, depth: int) -> None:
+        rng = self.rng
+        fields = message.DESCRIPTOR.fields
+        if {"type_name", "data"} <= {f.name for f in fields}:
+            self._serialized(message, depth)
+            return
+        for descriptor in fields:
+            if rng.random() < (0.35 if depth < 4 else 0.08):
+                continue
+            if descriptor.message_type is not None and descriptor.message_type.GetOptions().map_entry:
+                continue  # attribute maps and XLA flag overrides: nothing a handler reads
+            if descriptor.name == "debug_options":
+                continue  # XLA's own ~300 flags: XLA's surface, not the protocol's (mutants still reach them)
+            target = getattr(message, descriptor.name)
+            if descriptor.message_type is not None:
+                if depth > 6:
+                    continue
+                if descriptor.is_repeated:
+                    for _ in range(self.rng.choice((0, 1, 1, 2, 3))):
+                        self.fill(target.add(), depth + 1)
+                else:
+                    target.SetInParent()
+                    self.fill(target, depth + 1)
+            elif descriptor.is_repeated:
+                target.extend(
+                    _clip(descriptor, v) if isinstance(v, int) and not isinstance(v, bool) else v
+                    for v in self._many(descriptor)
+                )
+            else:
+                setattr(message, descriptor.name, self.scalar(descriptor))
+
+    def _many(self, descriptor) -> list:
+        """Mostly a few values; now and then a huge list (device ids, dims, handles) of one or of counted values."""
+        rng, name = self.rng, descriptor.name
+        if rng.random() < 0.03 and ("device" in name or "dims" in name or "handle" in name):
+            count = rng.choice((100, 5000))
+            return [self.scalar(descriptor)] * count if rng.random() < 0.5 else list(range(count))
+        return [self.scalar(descriptor) for _ in range(rng.choice((0, 1, 1, 1, 2, 2, 3, 4)))]
+
+    def _serialized(self, message, depth: int) -> None:
+        """A ``Serialized{type_name, data}``: a known type with a random body of that type, mostly."""
+        rng = self.rng
+        message.type_name = rng.choice(TYPE_NAMES) if rng.random() < 0.9 else self._text()
+        payload = self.payloads.get(message.type_name)
+        if payload is not None and rng.random() < 0.85:
+            body = payload()
+            self.fill(body, depth + 1)
+            data = body.SerializeToString()
+            message.data = _mutate(rng, data) if rng.random() < 0.15 else data
+        else:
+            message.data = rng.randbytes(rng.choice((0, 1, 8, 64)))
+
+    def scalar(self, descriptor):
+        rng, name, kind = self.rng, descriptor.name, descriptor.cpp_type
+        if kind == descriptor.CPPTYPE_BOOL:
+            return rng.random() < 0.5
+        if kind == descriptor.CPPTYPE_STRING:
+            if descriptor.type == descriptor.TYPE_BYTES:
+                return rng.randbytes(rng.choice((0, 1, 16, 200)))
+            if name == "memory_kind":
+                return rng.choice(MEMORY_KINDS)
+            if name == "type_name":
+                return rng.choice(TYPE_NAMES)
+            return self._text()
+        if kind in (descriptor.CPPTYPE_FLOAT, descriptor.CPPTYPE_DOUBLE):
+            return rng.choice((0.0, 1.0, -1.0, 1e300, float("inf"), float("nan")))
+        if kind == descriptor.CPPTYPE_ENUM:
+            values = [v.number for v in descriptor.enum_type.values]
+            return rng.choice(values) if rng.random() < 0.9 else rng.choice((-1, 1000))
+        pool = self.handles.for_field(name)
+        if name == "dims":
+            value = rng.choice(DIMS) if rng.random() < 0.3 else rng.randint(0, 6)
+        elif name == "kind" and descriptor.containing_type.name == "DTypeProto":
+            value = rng.randint(0, 34)
+        elif pool is not None and rng.random() < 0.75:
+            value = rng.choice(pool)
+        else:
+            value = rng.choice(EDGE_INTS) if rng.random() < 0.5 else rng.randint(0, 10)
+        return _clip(descriptor, value)
+
+    def _text(self) -> str:
+        return "".join(self.rng.choice("abc:_ \u00e9\u4e2d0") for _ in range(self.rng.randint(0, 12)))
+
+
+def _clip(descriptor, value: int) -> int:
+    bits = 32 if descriptor.cpp_type in (descriptor.CPPTYPE_INT32, descriptor.CPPTYPE_UINT32) else 64
+    if descriptor.cpp_type in (descriptor.CPPTYPE_UINT32, descriptor.CPPTYPE_UINT64):
+        return value % (1 << bits)
+    return (value + (1 << (bits - 1))) % (1 << bits) - (1 << (bits - 1))
+
+
+def _mutate(rng: random.Random, data: bytes) -> bytes:
+    """One to four byte-level edits: flips, overwrites, deletions, duplications, insertions, huge varints."""
+    out = bytearray(data)
+    for _ in range(rng.randint(1, 4)):
+        op = rng.randrange(6)
+        at = rng.randrange(len(out) + 1)
+        if op == 0 and out:
+            out[at % len(out)] ^= 1 << rng.randrange(8)
+        elif op == 1 and out:
+            out[at % len(out)] = rng.randrange(256)
+        elif op == 2:
+            del out[at : at + rng.randint(1, 8)]
+        elif op == 3:
+            out[at:at] = out[at : at + rng.randint(1, 16)]
+        elif op == 4:
+            out[at:at] = rng.randbytes(rng.randint(1, 8))
+        else:
+            out[at:at] = b"\xff" * 9 + b"\x01"
+    return bytes(out)
+
+
+# -- the fuzzing session ---------------------------------------------------------------------------
+
+
+@dataclass
+class Findings:
+    sent: int = 0
+    replies: int = 0
+    host_calls: int = 0
+    unparsable_mutants: int = 0
+    bugs: list[str] = field(default_factory=list)
+    recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=8))
+    by_code: dict[int, int] = field(default_factory=dict)
+
+    def bug(self, text: str) -> None:
+        if len(self.bugs) < 200:
+            self.bugs.append(text)
+
+
+class FuzzSession:
+    """One IFRT session fed random requests; a reader thread checks every reply."""
+
+    WINDOW = 256  # requests in flight before the sender waits a little for replies
+
+    def __init__(self, address: str, rng: random.Random, findings: Findings, corpus: list):
+        self.wire = WireSession(address)
+        self.rng = rng
+        self.findings = findings
+        self.corpus = corpus
+        self.handles = Handles()
+        self.handles.devices = list(self.wire.init_response.addressable_device_ids) or [0]
+        self.maker = RequestMaker(rng, self.handles)
+        self.sent: dict[int, str] = {}
+        self.lock = threading.Lock()
+        self.answered = threading.Condition(self.lock)
+        self.op_ids = iter(range(1 << 20, 1 << 40))
+        self.stream_error: grpc.RpcError | None = None
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                self._check(self.wire.receive())
+        except StopIteration:
+            pass
+        except grpc.RpcError as e:
+            self.stream_error = e
+        with self.answered:
+            self.answered.notify_all()
+
+    def _check(self, response) -> None:
+        op_id = response.response_metadata.op_id
+        with self.answered:
+            kind = self.sent.pop(op_id, None)
+            self.answered.notify_all()
+        findings = self.findings
+        findings.replies += 1
+        status = response.response_metadata.status
+        findings.by_code[status.code] = findings.by_code.get(status.code, 0) + 1
+        if kind is None:
+            findings.bug(f"a reply to op {op_id}, which was not sent (or answered twice)")
+        elif status.code == INTERNAL:
+            findings.bug(f"{kind}: INTERNAL: {status.message[:300]}")
+        elif not 0 <= status.code <= 16:
+            findings.bug(f"{kind}: status code {status.code} is not a gRPC code")
+        elif status.code == 0:
+            expected = kind.removesuffix("_request") + "_response"
+            if response.WhichOneof("response") != expected:
+                findings.bug(f"{kind}: an OK reply carries {response.WhichOneof('response')}, not {expected}")
+            self.handles.learn(response)
+
+    def send(self, kind: str, request, wait_s: float = 0.0) -> None:
+        """Sends ``request``; with ``wait_s``, waits that long at most for its reply."""
+        op_id = next(self.op_ids)
+        request.request_metadata.op_id = op_id
+        with self.answered:
+            self.answered.wait_for(lambda: len(self.sent) < self.WINDOW or self.stream_error, timeout=0.5)
+            self.sent[op_id] = kind
+        self.wire.send_raw(request.SerializeToString())
+        self.findings.sent += 1
+        self.findings.recent.append(str(request).replace("\n", " ")[:1500])
+        if wait_s:
+            with self.answered:
+                self.answered.wait_for(lambda: op_id not in self.sent or self.stream_error, timeout=wait_s)
+
+    def replay(self) -> None:
+        """The captured client's requests and uploads, unchanged: they make real arrays and programs."""
+        for method, data, metadata in self.corpus:
+            if method == "IfrtSession":
+                request = self.wire.messages.proxy.IfrtRequest.FromString(data)
+                kind = request.WhichOneof("request")
+                if kind != "init_request":
+                    # The client waited for its programs before using their handles.
+                    self.send(kind, request, wait_s=30.0 if kind == "compile_request" else 0.0)
+            elif method == "HostBufferStore":
+                self._store(_store_handle(self.wire, metadata), data)
+
+    def step(self) -> None:
+        r = self.rng.random()
+        if r < 0.62:
+            self.send(*self.maker.request())
+        elif r < 0.96:
+            self._mutant()
+        else:
+            self._host_buffer_call()
+
+    def _mutant(self) -> None:
+        requests = [data for method, data, _ in self.corpus if method == "IfrtSession"]
+        data = _mutate(self.rng, self.rng.choice(requests))
+        try:
+            request = self.wire.messages.proxy.IfrtRequest.FromString(data)
+        except Exception:  # noqa: BLE001 - protobuf decode errors: the server would end the stream
+            self.findings.unparsable_mutants += 1
+            return
+        kind = request.WhichOneof("request")
+        if kind is None or kind == "init_request":
+            return
+        self.send(kind, request)
+
+    def _host_buffer_call(self) -> None:
+        rng = self.rng
+        handle = rng.choice(self.handles.host_buffers) if rng.random() < 0.6 else rng.choice(EDGE_INTS)
+        handle = _clip(self.wire.messages.proxy.GrpcHostBufferStoreMetadata.DESCRIPTOR.fields_by_name["handle"], handle)
+        choice = rng.randrange(3)
+        self.findings.host_calls += 1
+        try:
+            if choice == 0:
+                size = rng.choice((0, 1, 24, 4096, 3 * MIB))
+                declared = size if rng.random() < 0.6 else rng.choice((0, size + 1, max(size - 1, 0), 1 << 33, 1 << 62))
+                self._store(handle, rng.randbytes(size), declared)
+            elif choice == 1:
+                self.wire.lookup_host_buffer(handle)
+            else:
+                self.wire.delete_host_buffer(handle)
+        except grpc.RpcError as e:
+            if e.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+                self.findings.bug(f"host buffer call {choice}: {e.code().name}: {e.details()}")
+
+    def _store(self, handle: int, data: bytes, declared: int | None = None) -> None:
+        try:
+            self.wire.store_host_buffer(handle, data, declared)
+        except grpc.RpcError as e:
+            if e.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+                self.findings.bug(f"HostBufferStore: {e.code().name}: {e.details()}")
+        self.handles.host_buffers.append(handle)
+        del self.handles.host_buffers[:-64]
+
+    def close(self, drain_s: float = 2.0) -> None:
+        """Waits briefly for outstanding replies (some wait for uploads that never come), then ends."""
+        with self.answered:
+            self.answered.wait_for(lambda: not self.sent or self.stream_error, timeout=drain_s)
+        if self.stream_error is not None:
+            self.findings.bug(
+                f"the server ended the stream: {self.stream_error.code().name}: {self.stream_error.details()}"
+            )
+        self.wire.close()
+        self.reader.join(5)
+
+
+def _store_handle(wire: WireSession, metadata: dict) -> int:
+    raw = metadata.get(testing.STORE_METADATA_KEY, b"")
+    return wire.messages.proxy.GrpcHostBufferStoreMetadata.FromString(raw).handle
+
+
+def _fuzz(address: str, corpus: list, seconds: float, seed: int, dead: Callable[[], list[str]]) -> Findings:
+    """Fuzzes sessions one after another for ``seconds``; stops early if a server process died."""
+    rng = random.Random(seed)
+    findings = Findings()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not dead():
+        try:
+            session = FuzzSession(address, rng, findings, corpus)
+        except grpc.RpcError:
+            if dead():
+                break
+            raise
+        try:
+            session.replay()
+            for _ in range(1500):
+                if time.monotonic() > deadline or session.stream_error is not None:
+                    break
+                session.step()
+        finally:
+            session.close()
+    return findings
+
+
+def _rss(processes: list[psutil.Process]) -> list[int]:
+    return [p.memory_info().rss for p in processes]
+
+
+def _fuzz_and_check(
+    name: str, processes: list, alive: Callable[[], list[str]], address: str, corpus, seconds: float
+) -> None:
+    pids = [psutil.Process(p.process.pid) for p in processes]
+    _run_client(address, stock=False)  # warm: what a first client loads stays loaded
+    before = _rss(pids)
+    started = time.monotonic()
+    findings = _fuzz(address, corpus, seconds, SEED, alive)
+    elapsed = time.monotonic() - started
+    dead = alive()
+    recent = "\n".join(findings.recent)
+    assert not dead, f"{name}: server processes died while fuzzing: {dead}\nthe last requests sent:\n{recent}"
+    _run_client(address, stock=False)
+    time.sleep(0.5)
+    after = _rss(pids)
+    summary = (
+        f"{name}: {findings.sent} requests + {findings.host_calls} host-buffer calls in {elapsed:.1f} s, "
+        f"{findings.replies} replies by code {dict(sorted(findings.by_code.items()))}, "
+        f"{findings.unparsable_mutants} unparsable mutants skipped; RSS MiB before/after "
+        f"{[b >> 20 for b in before]} / {[a >> 20 for a in after]}"
+    )
+    print(summary)
+    assert findings.sent > 2000, summary
+    assert not findings.bugs, summary + "\nfirst findings:\n" + "\n".join(findings.bugs[:15])
+    for process, b, a in zip(processes, before, after, strict=True):
+        assert a - b < RSS_SLACK, f"{process.name} grew by {(a - b) >> 20} MiB: {summary}"
+
+
+def test_fuzz_single_process_proxy(proxy_server, captured):
+    _fuzz_and_check(
+        "proxy",
+        [proxy_server],
+        lambda: [] if proxy_server.alive() else [f"proxy: {proxy_server.log_tail()}"],
+        proxy_server.address,
+        captured,
+        SECONDS,
+    )
+
+
+def test_fuzz_cluster(cluster, captured):
+    def dead() -> list[str]:
+        return [f"{p.name}: {p.log_tail()}" for p in cluster.processes() if not p.alive()]
+
+    _fuzz_and_check("cluster", cluster.processes(), dead, cluster.address, captured, SECONDS)
