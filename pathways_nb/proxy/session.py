@@ -85,8 +85,10 @@ class Session:
     def open_devices(self) -> DeviceSession:
         """Gets this session's devices (blocks while the cluster has no capacity)."""
         with self.lock:
+            if self._devices is not None:
+                return self._devices  # init again: the same devices, not a second allocation
             if self._devices_requested:
-                raise FailedPrecondition("this session already asked for its devices: init is sent once, first")
+                raise FailedPrecondition("this session is already waiting for its devices: send init once, first")
             self._devices_requested = True
         started = time.time()
         with self.context.activities.track("wait", "waiting for devices", self.tenant):
