@@ -111,10 +111,10 @@ def test_dead_worker_fails_new_work_clearly_and_comes_back_by_itself(supervised)
 KEEPS_WORKING = """
     import sys, json, jax, numpy as np, pathways_nb
     pathways_nb.connect(sys.argv[1], tenant="steady")
-    arrays = [jax.device_put(np.full(4, i, np.float32), d) for i, d in enumerate(jax.devices())]
     step = jax.jit(lambda x: x * 2)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
+        arrays = [jax.device_put(np.full(4, i, np.float32), d) for i, d in enumerate(jax.devices())]
         print(json.dumps({"sums": [float(step(a).sum()) for a in arrays]}), flush=True)
 """
 
@@ -124,14 +124,24 @@ def test_resource_manager_restart_keeps_running_sessions(supervised):
     client = python_process(KEEPS_WORKING, supervised.address)
     try:
         assert _read_json(client) == {"ready": True}
+        _send(client)
+        assert _read_json(client) == {"sums": [0.0, 8.0, 16.0, 24.0]}
+        # A worker restarted during the session: its new incarnation must survive the resource manager's.
+        supervised.restart_worker(1, 0, timeout_s=30)
+        _wait_healthy(supervised, 30)
+        _send(client)
+        assert _read_json(client) == {"sums": [0.0, 8.0, 16.0, 24.0]}
         workers_before = {w.worker_id: (w.pid, w.incarnation) for w in supervised.state().workers}
         rm = supervised.resource_manager
         rm_pid = rm.process.pid
         port = rm.port
         os.kill(rm_pid, signal.SIGKILL)
-        # The session does not need the resource manager: it keeps computing while it is gone.
-        _send(client)
-        assert _read_json(client) == {"sums": [0.0, 8.0, 16.0, 24.0]}
+        # The session does not need the resource manager: it keeps computing while it is gone, while
+        # it comes back and while the workers register with it again.
+        steps_until = time.monotonic() + 4
+        while time.monotonic() < steps_until:
+            _send(client)
+            assert _read_json(client) == {"sums": [0.0, 8.0, 16.0, 24.0]}
         deadline = time.monotonic() + 10
         while not (rm.alive() and rm.process.pid != rm_pid):
             assert time.monotonic() < deadline, rm.log_tail()

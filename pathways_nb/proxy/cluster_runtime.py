@@ -98,19 +98,23 @@ class ClusterRuntime:
         """Follows the resource manager's view of the workers, failing fast on dead ones."""
         while not self._closed:
             try:
-                for state in self._rm.WatchCluster(pb.ClusterStateRequest()):
-                    self._update(state)
+                # wait_for_ready: while the resource manager is away, wait for it without polling.
+                for state in self._rm.WatchCluster(pb.ClusterStateRequest(), wait_for_ready=True):
+                    try:
+                        self._update(state)
+                    except Exception:
+                        _LOGGER.exception("applying the cluster state failed")
                     self._watching.set()
             except grpc.RpcError as error:
                 if self._closed:
                     return
                 _LOGGER.warning("lost the resource manager at %s (%s); retrying", self.rm_address, error.code().name)
-            if not self._closed:
-                threading.Event().wait(1.0)
 
     def _update(self, state: pb.ClusterState) -> None:
         with self._lock:
-            self._workers = {w.worker_id: w for w in state.workers}
+            # Merged, not replaced: a resource manager that just restarted does not know every worker
+            # yet, and a worker it has not heard from again is where it was, not gone.
+            self._workers.update((w.worker_id, w) for w in state.workers)
         for worker in state.workers:
             if not worker.healthy:
                 for session in list(self._sessions):
