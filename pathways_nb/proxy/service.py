@@ -223,7 +223,10 @@ class IfrtProxyService:
                 except Exception:  # noqa: BLE001 - protobuf decode errors
                     await context.abort(grpc.StatusCode.DATA_LOSS, "unable to parse GrpcHostBufferStoreMetadata")
         if metadata is None:
-            await context.abort(grpc.StatusCode.INTERNAL, f"missing {STORE_METADATA_KEY} metadata")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"missing {STORE_METADATA_KEY} metadata; upload with the IFRT proxy client",
+            )
         session = await self._session(metadata.session_id, context)
         size = metadata.buffer_size
         if size < 0:
