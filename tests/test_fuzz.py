@@ -86,12 +86,15 @@ class _Relay(grpc.GenericRpcHandler):
 
         def recorded(requests, metadata) -> Iterator[bytes]:
             chunks = []  # an upload is recorded once, whole, when it ends
-            for raw in requests:
-                if name == "HostBufferStore":
-                    chunks.append(bytes(data_messages.decode(raw)))
-                    yield raw
-                else:
-                    yield self._record(name, raw, metadata)
+            try:
+                for raw in requests:
+                    if name == "HostBufferStore":
+                        chunks.append(bytes(data_messages.decode(raw)))
+                        yield raw
+                    else:
+                        yield self._record(name, raw, metadata)
+            except grpc.RpcError:
+                return  # the client went away (it ends its session stream that way)
             if name == "HostBufferStore":
                 self._record(name, b"".join(chunks), metadata)
 
