@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from pathways_nb.protocol import attributes, data_messages, schema
-from pathways_nb.protocol.errors import RequestError
+from pathways_nb.protocol.errors import DataLoss, RequestError
 from pathways_nb.proxy import (
     handlers,  # noqa: F401 - importing registers the request handlers
     versions,
@@ -324,12 +324,6 @@ class IfrtProxyService:
         )
 
 
-def _data_loss(message: str) -> RequestError:
-    error = RequestError(message)
-    error.code = grpc.StatusCode.DATA_LOSS.value[0]
-    return error
-
-
 async def _receive(request_iterator, size: int, progress) -> memoryview:
     """Appends upload chunks to one buffer as they arrive; exactly ``size`` bytes, else DATA_LOSS.
 
@@ -345,17 +339,17 @@ async def _receive(request_iterator, size: int, progress) -> memoryview:
             try:
                 data = data_messages.decode(raw)
             except Exception as e:  # protobuf decode errors
-                raise _data_loss(f"malformed host buffer chunk ({len(raw)} bytes) after {len(buffer)} bytes") from e
+                raise DataLoss(f"malformed host buffer chunk ({len(raw)} bytes) after {len(buffer)} bytes") from e
             end = len(buffer) + data.nbytes
             if end > size:
-                raise _data_loss(
+                raise DataLoss(
                     f"host buffer upload is larger than its declared {size} bytes (at least {end} arrived); "
                     "the client must declare the size it sends"
                 )
             buffer += data
             progress.bytes_done = end
         if len(buffer) != size:
-            raise _data_loss(f"host buffer upload ended after {len(buffer)} of {size} bytes; the upload was cut short")
+            raise DataLoss(f"host buffer upload ended after {len(buffer)} of {size} bytes; the upload was cut short")
     except BaseException:
         del buffer[:]
         raise
