@@ -27,7 +27,14 @@ from pathways_nb.protocol.errors import FailedPrecondition, InvalidRequest, NotF
 from pathways_nb.protocol.layouts import ROW_MAJOR_PLATFORMS, row_major
 from pathways_nb.protocol.shardings import IfrtSharding
 from pathways_nb.rpc.convert import output_shardings as output_shardings_of
-from pathways_nb.runtime_api import ArgumentFacts, DeviceDescription, ProgramInfo, check_arguments, check_assemble_parts
+from pathways_nb.runtime_api import (
+    ArgumentFacts,
+    Aval,
+    DeviceDescription,
+    ProgramInfo,
+    check_arguments,
+    check_assemble_parts,
+)
 from pathways_nb.worker import jaxlib_kernels
 from pathways_nb.worker import signature as program_signature
 
@@ -284,9 +291,8 @@ class LocalRuntime:
         memory_kinds = tuple(executable.get_output_memory_kinds()[0]) if signature.results else ()
         handlers = []
         for aval, sharding, kind in zip(signature.results, output_shardings, memory_kinds, strict=True):
-            if aval.is_token:
-                handlers.append(None)
-                continue
+            if aval.is_token:  # held as jax holds a token: the token buffer behind a bool[0] array
+                aval = Aval((0,), np.dtype(np.bool_))
             jax_sharding = self.jax_sharding(
                 IfrtSharding(sharding.device_ids, None if kind == "device" else kind, sharding.op_sharding)
             )
@@ -306,8 +312,9 @@ class LocalRuntime:
             output_shardings=output_shardings,
             parameter_op_shardings=parameter_ops,
             output_op_shardings=output_ops,
-            parameter_layouts=tuple(_minor_to_major(layout) for layout in executable.get_parameter_layouts()),
-            output_layouts=tuple(_minor_to_major(layout) for layout in executable.get_output_layouts()),
+            # XLA describes no layouts of a program with token parameters or results (the metadata says so).
+            parameter_layouts=_layouts(executable.get_parameter_layouts, signature.args),
+            output_layouts=_layouts(executable.get_output_layouts, signature.results),
             output_memory_kinds=memory_kinds,
             memory_stats=_memory_stats(executable),
             donated_args=_donated_parameters(executable),
@@ -337,8 +344,6 @@ class LocalRuntime:
         for index in keep & program.donated_args:
             args[index] = self.copy(args[index], _sharding_of(args[index]))
         results = _device_errors(program.executable.execute_sharded, args)
-        if any(handler is None for handler in program.result_handlers):
-            raise InvalidRequest("programs that return tokens are not supported by this server")
         outputs = results.consume_with_handlers(list(program.result_handlers))
         if timed is not None:
             self.timer.watch(program.name, program.device_ids, outputs, dispatched, timed)
@@ -392,6 +397,13 @@ def _serialized(op_shardings) -> tuple[bytes, ...] | None:
 
 def _minor_to_major(layout) -> tuple[int, ...]:
     return tuple(layout._xla_layout().minor_to_major())
+
+
+def _layouts(layouts_of_executable, avals: Sequence[Aval]) -> tuple[tuple[int, ...], ...]:
+    """Each value's minor-to-major order; none at all where a value is a token, which XLA cannot lay out."""
+    if any(aval.is_token for aval in avals):
+        return ()
+    return tuple(_minor_to_major(layout) for layout in layouts_of_executable())
 
 
 _MEMORY_STATS_FIELDS = (

@@ -182,18 +182,30 @@ def metadata(session, request, op_id):
     if program.output_op_shardings is not None:
         for op in program.output_op_shardings:
             response.output_shardings.shardings.add().ParseFromString(op)
-    response.parameter_layouts_list.SetInParent()
-    for minor_to_major in program.parameter_layouts:
-        response.parameter_layouts_list.layouts.add(minor_to_major=minor_to_major)
-    response.output_layouts_list.SetInParent()
-    for minor_to_major in program.output_layouts:
-        response.output_layouts_list.layouts.add(minor_to_major=minor_to_major)
+    _fill_layouts(response, "parameter", program.parameter_layouts, program.signature.args)
+    _fill_layouts(response, "output", program.output_layouts, program.signature.results)
     response.output_memory_kinds.memory_kind_lists.add(memory_kinds=program.output_memory_kinds)
     response.donated_input_indices.donated_input_indices.extend(sorted(program.donated_args))
     response.donated_input_indices.SetInParent()
     response.compiled_memory_stats.CopyFrom(xla.CompiledMemoryStatsProto(**program.memory_stats))
     response.size_of_generated_code_in_bytes = program.memory_stats.get("generated_code_size_in_bytes", 0)
     return response
+
+
+def _fill_layouts(response, which: str, minor_to_majors, avals) -> None:
+    """``which`` ("parameter" or "output") layouts; for token values an error, as a local jaxlib answers.
+
+    jax then uses default layouts, and the client makes its results without one.
+    """
+    if any(aval.is_token for aval in avals):
+        error = getattr(response, f"{which}_layouts_error")
+        error.code = 12  # UNIMPLEMENTED
+        error.message = f"XLA lays out no program with token {which}s"
+        return
+    layouts = getattr(response, f"{which}_layouts_list")
+    layouts.SetInParent()
+    for minor_to_major in minor_to_majors:
+        layouts.layouts.add(minor_to_major=minor_to_major)
 
 
 @handles(
