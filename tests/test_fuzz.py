@@ -706,3 +706,19 @@ def test_init_sent_again_answers_the_same_devices_without_a_second_allocation(cl
         again = session.call("init_request", session.messages.proxy.InitRequest()).init_response
         assert list(again.addressable_device_ids) == list(session.init_response.addressable_device_ids)
         assert len(cluster.state().allocations) == before + 1
+
+
+def test_overlapping_byte_strides_cannot_turn_a_few_bytes_into_a_huge_array(proxy_server, wire):
+    """Zero strides once made 4 uploaded bytes a 1 GiB array (the fuzzer saw the proxy grow by 3 GiB)."""
+    before = psutil.Process(proxy_server.process.pid).memory_info().rss
+    wire.store_host_buffer(1, b"\x00" * 4)
+    make = wire.messages.proxy.MakeArrayFromHostBufferRequest(host_buffer_handle=1, array_handle=1)
+    make.dtype.kind = 11  # f32
+    make.shape.dims.append(1 << 28)
+    make.byte_strides.strides.append(0)
+    make.sharding.CopyFrom(shardings.IfrtSharding((0,)).to_proto())
+    wire.call("make_array_from_host_buffer_request", make)
+    ready = wire.call("check_value_ready_request", wire.messages.proxy.CheckValueReadyRequest(value_handles=[1]))
+    code, message = _status(ready)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "not overlap" in message, message
+    assert psutil.Process(proxy_server.process.pid).memory_info().rss - before < 64 * MIB

@@ -6,11 +6,13 @@ import math
 import time
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from pathways_nb.dataflow import ArrayRecord, Pending, when_all
 from pathways_nb.events import event
-from pathways_nb.protocol import dtypes, shardings
+from pathways_nb.protocol import dtypes, schema, shardings
 from pathways_nb.protocol.errors import InvalidRequest, RequestError, Unimplemented
+from pathways_nb.protocol.op_sharding import Tiling
 from pathways_nb.protocol.shardings import IfrtSharding
 from pathways_nb.proxy.dispatch import DEFERRED, handles
 
@@ -32,6 +34,13 @@ def _host_array(data: memoryview, dtype: np.dtype, shape: tuple[int, ...], byte_
     strides = tuple(byte_strides)
     if len(strides) != len(shape):
         raise InvalidRequest(f"{len(strides)} byte strides given for a {len(shape)}-dimensional array")
+    dense = math.prod(shape) * dtype.itemsize
+    if data.nbytes < dense:
+        # Strides that overlap elements (0, say) would turn a few uploaded bytes into a huge array.
+        raise InvalidRequest(
+            f"the host buffer has {data.nbytes} bytes, fewer than the {dense} of a {dtype}{list(shape)} array; "
+            "byte strides may pad the elements, not overlap them"
+        )
     try:
         view = np.ndarray(shape, dtype, buffer=data, strides=strides)
     except (TypeError, ValueError) as e:
@@ -399,16 +408,24 @@ def remap_arrays(session, request, op_id):
     plan = request.plan
     if len(plan.input_specs) != len(sources):
         raise InvalidRequest(f"the remap plan takes {len(plan.input_specs)} arrays, got {len(sources)}")
+    # jax's reorder_shards names its results by a ConcreteEvenSharding, which says only the devices: their
+    # layout is the one their shards bring.
+    reordered = [_splitting_concrete_even(spec.sharding) for spec in plan.output_specs]
+    targets = [
+        even or shardings.from_proto(spec.sharding) for even, spec in zip(reordered, plan.output_specs, strict=True)
+    ]
+    moves = _remap_moves(plan, [len(s.sharding.device_ids) for s in sources], [len(t.device_ids) for t in targets])
     outputs = [
-        ArrayRecord(spec.dtype.kind, _shape(spec.shape), shardings.from_proto(spec.sharding))
-        for spec in plan.output_specs
+        ArrayRecord(
+            spec.dtype.kind,
+            _shape(spec.shape),
+            target if even is None else _brought_layout(target, index, _shape(spec.shape), sources, moves),
+        )
+        for index, (spec, target, even) in enumerate(zip(plan.output_specs, targets, reordered, strict=True))
     ]
     result_handles = list(request.result_handles) or [session.server_handle() for _ in outputs]
     if len(result_handles) != len(outputs):
         raise InvalidRequest(f"{len(result_handles)} result handles for {len(outputs)} remapped arrays")
-    moves = _remap_moves(
-        plan, [len(s.sharding.device_ids) for s in sources], [len(o.sharding.device_ids) for o in outputs]
-    )
     donated = sum(source.nbytes for source in sources) if request.copy_semantics == DONATE_INPUT else 0
     session.add_new_arrays(result_handles, outputs, f"{len(outputs)} remapped array(s)", credit=donated)
 
@@ -425,6 +442,41 @@ def remap_arrays(session, request, op_id):
 
     session.after(sources, remap, outputs=outputs)
     return session.messages.proxy.RemapArraysResponse(array_handles=result_handles)
+
+
+def _splitting_concrete_even(proto) -> IfrtSharding | None:
+    """The devices and memory kind of a ConcreteEvenSharding that splits its array; None for any other sharding."""
+    if proto.serialized_sharding.type_name != shardings.CONCRETE_EVEN:
+        return None
+    try:
+        body = schema.load().ifrt.ConcreteEvenShardingProto.FromString(proto.serialized_sharding.data)
+    except DecodeError:
+        return None  # shardings.from_proto says what is wrong with it
+    if body.is_fully_replicated or len(body.devices.device_ids) < 2:
+        return None
+    return IfrtSharding(tuple(body.devices.device_ids), body.memory_kind if body.HasField("memory_kind") else None)
+
+
+def _brought_layout(
+    target: IfrtSharding, index: int, shape: tuple[int, ...], sources: list[ArrayRecord], moves
+) -> IfrtSharding:
+    """``target``'s devices holding the regions their shards held in the one source array they all come from."""
+    into = {j: (in_array, i) for in_array, i, out_array, j in moves if out_array == index}
+    from_arrays = {in_array for in_array, _ in into.values()}
+    source = sources[from_arrays.pop()] if len(from_arrays) == 1 else None
+    from_input = {i: j for j, (_, i) in into.items()}
+    if source is None or source.shape != shape or len(from_input) != len(source.sharding.device_ids):
+        raise Unimplemented(
+            f"remapped array {index} is given by a ConcreteEvenSharding, and its shards are not a reordering of one "
+            "array's shards, so this server cannot tell its layout; give it a NamedSharding"
+        )
+    tiling = source.sharding.tiling()
+    if tiling.is_fully_replicated:
+        return target
+    reordered = Tiling(
+        tiling.num_devices, tiling.partitions, tiling.replicas, tuple(from_input[i] for i in tiling.tile_devices)
+    )
+    return IfrtSharding(target.device_ids, target.memory_kind, reordered.to_proto().SerializeToString())
 
 
 def _remap_moves(plan, input_shards: list[int], output_shards: list[int]) -> list[tuple[int, int, int, int]]:
