@@ -76,11 +76,14 @@ def _serve_resource_manager(args: argparse.Namespace) -> int:
 
 
 def _serve_worker(args: argparse.Namespace) -> int:
+    from pathways_nb.worker.island import IslandMembership
     from pathways_nb.worker.runtime import LocalRuntime
     from pathways_nb.worker.server import WorkerServer
 
     started = time.monotonic()
-    runtime = LocalRuntime(args.platform, args.devices)
+    island = IslandMembership(args.hosts_per_island, args.host_index, args.coordinator_address or "", args.host)
+    island.check()
+    runtime = LocalRuntime(args.platform, args.devices, island=island)
     server = WorkerServer(
         runtime,
         args.resource_manager_address,
@@ -267,6 +270,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     worker.add_argument("--island", type=int, default=0, help="the island (slice) this host belongs to")
     worker.add_argument("--host_index", type=int, default=0, help="this host's index within its island")
+    worker.add_argument(
+        "--hosts_per_island", type=int, default=1, help="hosts in this island (several: one SPMD runtime across them)"
+    )
+    worker.add_argument(
+        "--coordinator_address",
+        default=None,
+        help="HOST:PORT of the island's host 0, which serves its distributed runtime (islands of several hosts)",
+    )
     worker.add_argument("--devices", type=int, default=None, help="number of CPU devices to create (CPU only)")
     worker.add_argument("--platform", default="cpu", help="local platform: cpu, cuda, rocm, tpu, or auto")
     worker.add_argument("--port_file", default=None, help="write the bound port to this file once serving")

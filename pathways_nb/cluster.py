@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import socket
 import time
 import weakref
 from dataclasses import dataclass
@@ -41,11 +42,6 @@ class ClusterSpec:
     def check(self) -> None:
         if min(self.islands, self.hosts_per_island, self.devices_per_host) < 1:
             raise ValueError(f"islands, hosts_per_island and devices_per_host must be >= 1, got {self}")
-        if self.hosts_per_island > 1:
-            raise ValueError(
-                f"hosts_per_island={self.hosts_per_island}: islands of several hosts are not supported yet; "
-                "use hosts_per_island=1 (and more islands or devices_per_host)"
-            )
 
     @property
     def devices(self) -> int:
@@ -81,6 +77,8 @@ class LocalCluster:
         self.startup_s: float | None = None
         self.resource_manager: ChildServer | None = None
         self.supervisor: Supervisor | None = None
+        self._coordinators: dict[int, str] = {}
+        self._stopped_with_island: set[int] = set()
         self.workers: dict[tuple[int, int], ChildServer] = {}
         self.proxy: ChildServer | None = None
         if start:
@@ -158,9 +156,19 @@ class LocalCluster:
                 str(self.spec.devices_per_host),
                 "--platform",
                 self.spec.platform,
+                *self._island_flags(island),
             ],
             env=self._child_env,
         )
+
+    def _island_flags(self, island: int) -> list[str]:
+        """Flags that make the hosts of a multi-host island one distributed runtime, led by host 0."""
+        hosts = self.spec.hosts_per_island
+        if hosts == 1:
+            return []
+        if island not in self._coordinators:
+            self._coordinators[island] = f"127.0.0.1:{_free_port()}"
+        return ["--hosts_per_island", str(hosts), "--coordinator_address", self._coordinators[island]]
 
     def _wait_for_workers(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -257,6 +265,14 @@ class LocalCluster:
         place = next((key for key, worker in self.workers.items() if worker is child), None)
         if place is None:
             return
+        # An island's distributed runtime cannot outlive one of its hosts: the others are replaced too,
+        # and the island forms again (not again for the deaths this causes).
+        if ended.pid not in self._stopped_with_island:
+            for (island, _host), other in self.workers.items():
+                if island == place[0] and other is not child and other.alive():
+                    _LOGGER.warning("stopping %s: island %d forms again without the dead host", other.name, island)
+                    self._stopped_with_island.add(other.process.pid)
+                    other.process.kill()
         report = pb.WorkerExitReport(
             island=place[0], host_index=place[1], pid=ended.pid, reason=f"its process {ended.description}"
         )
@@ -284,6 +300,12 @@ def token_for(address: str) -> str | None:
         if cluster.status is Status.running and cluster.address == address:
             return cluster.token
     return None
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 @atexit.register

@@ -40,7 +40,7 @@ from pathways_nb.protocol.errors import (
 )
 from pathways_nb.protocol.layouts import LayoutBook
 from pathways_nb.protocol.shardings import IfrtSharding
-from pathways_nb.proxy.remote_arrays import RemoteArray, ShardedRemoteArray
+from pathways_nb.proxy.remote_arrays import MultiHostArray, RemoteArray, ShardedRemoteArray
 from pathways_nb.proxy.worker_link import WorkerLink, WorkerLost
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
@@ -59,9 +59,9 @@ _DEVICE_CLASS = {"cpu": "CpuDevice", "cuda": "CudaDevice", "rocm": "RocmDevice",
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class RemoteProgram(ProgramInfo):
-    """A program compiled on one worker; kept to compile again if that worker restarts."""
+    """A program of one island; kept to compile it on each of its hosts, and again if a host restarts."""
 
-    worker_id: str = ""
+    hosts: tuple = ()  # one device (pb.Device) per host the program runs on, in host order
     stablehlo: bytes = b""
     compile_options: bytes = b""  # with the worker's local device ids
     local_device_ids: tuple[int, ...] = ()
@@ -195,12 +195,16 @@ class ClusterRuntime:
         reply = self.control_link(worker).request(command, "compile").result()
         return program_id, reply.compiled
 
-    def compile(self, worker: pb.Device, stablehlo: bytes, options: bytes, device_ids, local_ids) -> RemoteProgram:
+    def compile(
+        self, hosts: Sequence[pb.Device], stablehlo: bytes, options: bytes, device_ids, local_ids
+    ) -> RemoteProgram:
+        """Compiles on the first host (the others compile it when it first runs there)."""
+        worker = hosts[0]
         program_id, compiled = self._compile_on(worker, stablehlo, options, local_ids)
         info = program_from_proto(compiled, tuple(device_ids))
         program = RemoteProgram(
             **{f.name: getattr(info, f.name) for f in dataclasses.fields(ProgramInfo)},
-            worker_id=worker.worker_id,
+            hosts=tuple(hosts),
             stablehlo=stablehlo,
             compile_options=options,
             local_device_ids=tuple(local_ids),
@@ -272,6 +276,7 @@ class ClusterSession:
         self._global_ids = {(d.worker_id, d.local_id): d.id for d in allocation.devices}
         self._device_ids = tuple(d.id for d in allocation.devices)
         self._links: dict[str, WorkerLink] = {}
+        self._gangs = itertools.count(1)
         self._lock = threading.Lock()
         self._platform = allocation.platform or allocation.devices[0].platform
 
@@ -409,7 +414,7 @@ class ClusterSession:
                 self.put(np.ascontiguousarray(host[index]), IfrtSharding((device_id,), sharding.memory_kind))
                 for device_id, index in zip(sharding.device_ids, sharding.shard_indices(shape), strict=True)
             ]
-            return ShardedRemoteArray(parts, shape, sharding)
+            return self.assemble(shape, sharding, parts)
         link = self._link(self._device(sharding.device_ids[0]))
         array_id = link.new_id()
         meta = array_meta(kind, shape, self._local(sharding))
@@ -429,10 +434,19 @@ class ClusterSession:
 
     def assemble(self, shape: tuple[int, ...], sharding: IfrtSharding, singles: Sequence):
         check_assemble_parts(sharding, [single.sharding.device_ids for single in singles])
-        links = {id(single.link) for single in singles}
-        if len(links) > 1:
+        by_link: dict[int, list] = {}
+        for single in singles:
+            by_link.setdefault(id(single.link), []).append(single)
+        if len(by_link) == 1:
+            return self._assemble_on(singles[0].link, shape, sharding, singles)
+        if len({single.link.island for single in singles}) > 1:
             return ShardedRemoteArray(singles, shape, sharding)
-        link = singles[0].link
+        # The hosts of one island: each assembles its part of one island-wide array.
+        hosts = sorted(by_link.values(), key=lambda group: group[0].link.host_index)
+        parts = [self._assemble_on(group[0].link, shape, sharding, group) for group in hosts]
+        return MultiHostArray(parts, shape, sharding)
+
+    def _assemble_on(self, link: WorkerLink, shape, sharding: IfrtSharding, singles: Sequence) -> RemoteArray:
         array_id = link.new_id()
         meta = array_meta(singles[0].kind, shape, self._local(sharding))
         link.send(pb.Command(assemble=pb.Assemble(id=array_id, meta=meta, parts=[s.array_id for s in singles])))
@@ -441,22 +455,29 @@ class ClusterSession:
     def disassemble(self, value, sharding: IfrtSharding) -> list:
         if isinstance(value, ShardedRemoteArray):
             return list(value.parts)
-        shard_shape = sharding.shard_shape(value.shape)
-        ids = [value.link.new_id() for _ in sharding.device_ids]
-        value.link.send(
-            pb.Command(
-                disassemble=pb.Disassemble(
-                    source=value.array_id, ids=ids, sharding=array_meta(0, (), self._local(sharding)).sharding
-                )
-            )
-        )
+        parts = value.parts if isinstance(value, MultiHostArray) else [value]
+        singles = {}
+        for part in parts:
+            # Each host splits its own part: the shards of its devices, in the sharding's order.
+            device_ids = [d for d in sharding.device_ids if self._device(d).worker_id == part.link.worker_id]
+            for device_id, single in zip(device_ids, self._disassemble_on(part, sharding, device_ids), strict=True):
+                singles[device_id] = single
+        return [singles[device_id] for device_id in sharding.device_ids]
+
+    def _disassemble_on(self, part: RemoteArray, sharding: IfrtSharding, device_ids: list[int]) -> list[RemoteArray]:
+        shard_shape = sharding.shard_shape(part.shape)
+        ids = [part.link.new_id() for _ in device_ids]
+        local = array_meta(0, (), self._local(sharding)).sharding
+        part.link.send(pb.Command(disassemble=pb.Disassemble(source=part.array_id, ids=ids, sharding=local)))
         return [
-            RemoteArray(value.link, array_id, value.kind, shard_shape, IfrtSharding((device_id,), sharding.memory_kind))
-            for array_id, device_id in zip(ids, sharding.device_ids, strict=True)
+            RemoteArray(part.link, array_id, part.kind, shard_shape, IfrtSharding((device_id,), sharding.memory_kind))
+            for array_id, device_id in zip(ids, device_ids, strict=True)
         ]
 
     def copy(self, value, sharding: IfrtSharding):
         """The value laid out by ``sharding``: on one worker, by sending between workers, or via the proxy."""
+        if isinstance(value, MultiHostArray):
+            value = ShardedRemoteArray(self.disassemble(value, value.sharding), value.shape, value.sharding)
         targets = self._worker_ids(sharding)
         if isinstance(value, RemoteArray) and targets == [value.link.worker_id] and value.link.alive:
             array_id = value.link.new_id()
@@ -512,6 +533,8 @@ class ClusterSession:
         return self.assemble(shape, sharding, parts)
 
     def to_host(self, value) -> np.ndarray:
+        if isinstance(value, MultiHostArray):
+            value = ShardedRemoteArray(self.disassemble(value, value.sharding), value.shape, value.sharding)
         if isinstance(value, ShardedRemoteArray):
             dtype = dtypes.to_numpy(value.parts[0].kind)
             host = np.empty(value.shape, dtype)
@@ -526,18 +549,22 @@ class ClusterSession:
     def compile(self, program: bytes, compile_options: bytes, device_ids: Sequence[int]) -> RemoteProgram:
         devices = [self._current(self._device(d)) for d in device_ids]
         islands = sorted({d.island for d in devices})
-        if len({d.worker_id for d in devices}) > 1:
+        if len(islands) > 1:
             raise InvalidRequest(
                 f"this program's devices {list(device_ids)} span islands {islands}. A program runs on one "
                 "island (devices that share a fast interconnect); between islands, data moves with "
                 "jax.device_put. Split the model into stages, one jit per island, and pipeline microbatches: "
                 "run stage 1 on island 0, device_put its outputs to island 1, run stage 2 there"
             )
+        # On an island of several hosts every host runs the program; jaxlib ids span the island.
+        hosts = list({d.host_index: d for d in sorted(devices, key=lambda d: d.host_index)}.values())
         local_ids = tuple(d.local_id for d in devices)
         options = _localize(compile_options, {d.id: d.local_id for d in devices})
-        return self.cluster.compile(devices[0], program, options, device_ids, local_ids)
+        return self.cluster.compile(hosts, program, options, device_ids, local_ids)
 
     def execute(self, program: RemoteProgram, args: Sequence, keep: frozenset[int] = frozenset()) -> list:
+        if len(program.hosts) > 1:
+            return self._execute_on_hosts(program, args, keep)
         device = self._current(self._device(program.device_ids[0]))
         link = self._link(device)
         for index, arg in enumerate(args):
@@ -568,6 +595,38 @@ class ClusterSession:
             )
         )
         return results
+
+    def _execute_on_hosts(self, program: RemoteProgram, args: Sequence, keep: frozenset[int]) -> list:
+        """Runs a program on every host of its island, each on its part of the arguments, in the island's order."""
+        hosts = [self._current(self._device(d.id)) for d in program.hosts]
+        links = [self._link(host) for host in hosts]
+        for index, arg in enumerate(args):
+            if not (isinstance(arg, MultiHostArray) and [part.link for part in arg.parts] == links):
+                raise InvalidRequest(
+                    f"argument {index} of {program.name} is not laid out over the hosts of island "
+                    f"{hosts[0].island} where the program runs (or was lost when one of them restarted); "
+                    "move it there first (jax.device_put with the program's sharding)"
+                )
+        gang = f"{self.cluster.key}-s{self.session_id}-g{next(self._gangs)}"
+        results = [
+            [RemoteArray(link, link.new_id(), _kind(aval), aval.shape, sharding) for link in links]
+            for aval, sharding in zip(program.signature.results, program.output_shardings, strict=True)
+        ]
+        peers = [link.address for link in links[1:]]
+        for host_index, (host, link) in enumerate(zip(hosts, links, strict=True)):
+            execute = pb.Execute(
+                program=self.cluster.program_id_on(program, host),
+                args=[arg.parts[host_index].array_id for arg in args],
+                results=[parts[host_index].array_id for parts in results],
+                keep=sorted(keep),
+                gang=gang,
+                gang_peers=peers if host_index == 0 else (),
+            )
+            link.send(pb.Command(execute=execute))
+        return [
+            MultiHostArray(parts, aval.shape, sharding)
+            for parts, aval, sharding in zip(results, program.signature.results, program.output_shardings, strict=True)
+        ]
 
     def cost_analysis(self, program: RemoteProgram) -> dict[str, float]:
         device = self._current(self._device(program.device_ids[0]))

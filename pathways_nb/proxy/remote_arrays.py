@@ -69,3 +69,35 @@ class ShardedRemoteArray:
         for part in self.parts:
             part.block_until_ready()
         return self
+
+
+class MultiHostArray:
+    """An array of an island of several hosts: each host holds its part of one island-wide array.
+
+    Every part has the array's global shape and sharding; a host's part holds the shards of that
+    host's devices, as a multi-process ``jax.Array`` does. Programs of the island take and make
+    such arrays, one part per host, in host order.
+    """
+
+    __slots__ = ("parts", "shape", "sharding")
+
+    def __init__(self, parts: Sequence[RemoteArray], shape: tuple[int, ...], sharding: IfrtSharding):
+        self.parts = list(parts)
+        self.shape = shape
+        self.sharding = sharding
+
+    @property
+    def kind(self) -> int:
+        return self.parts[0].kind
+
+    def delete(self) -> None:
+        for part in self.parts:
+            part.delete()
+
+    def is_deleted(self) -> bool:
+        return any(part.is_deleted() for part in self.parts)
+
+    def block_until_ready(self) -> MultiHostArray:
+        for part in self.parts:
+            part.block_until_ready()
+        return self

@@ -50,7 +50,9 @@ class Allocator:
         self.queue: list[Ticket] = []
 
     def submit(self, tenant: str, exclusive: bool, num_devices: int, islands: tuple[int, ...]) -> Ticket:
-        ticket = Ticket(f"alloc-{self._prefix}-{next(self._ids)}", tenant or "anonymous", exclusive, num_devices, islands)
+        ticket = Ticket(
+            f"alloc-{self._prefix}-{next(self._ids)}", tenant or "anonymous", exclusive, num_devices, islands
+        )
         self.queue.append(ticket)
         return ticket
 

@@ -66,15 +66,16 @@ class Registry:
             worker_id,
             request,
             request.incarnation or self._incarnations,
-            [self._device_id(request.island, request.host_index, d.local_id) for d in request.devices],
+            [self._device_id(request.island, request.host_index, index) for index in range(len(request.devices))],
         )
         self.workers[worker_id] = entry
         return entry
 
-    def _device_id(self, island: int, host_index: int, local_id: int) -> int:
+    def _device_id(self, island: int, host_index: int, index: int) -> int:
+        """The cluster id of the ``index``-th device of a host (its jaxlib id is the host's business)."""
         if self.topology is not None:
-            return self.topology.device_id(island, host_index, local_id)
-        key = (island, host_index, local_id)
+            return self.topology.device_id(island, host_index, index)
+        key = (island, host_index, index)
         if key not in self._assigned_ids:
             self._assigned_ids[key] = len(self._assigned_ids)
         return self._assigned_ids[key]

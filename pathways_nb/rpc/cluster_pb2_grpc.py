@@ -553,6 +553,11 @@ class WorkerStub:
                 request_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.ArrayChunk.SerializeToString,
                 response_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.PushArrayResponse.FromString,
                 _registered_method=True)
+        self.OrderGang = channel.unary_unary(
+                '/pathways_nb.v1.Worker/OrderGang',
+                request_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.GangOrders.SerializeToString,
+                response_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.GangOrdersAck.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -574,6 +579,13 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OrderGang(self, request, context):
+        """From an island's host 0 to its other hosts: the island's order of multi-host programs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -586,6 +598,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.PushArray,
                     request_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.ArrayChunk.FromString,
                     response_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.PushArrayResponse.SerializeToString,
+            ),
+            'OrderGang': grpc.unary_unary_rpc_method_handler(
+                    servicer.OrderGang,
+                    request_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.GangOrders.FromString,
+                    response_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.GangOrdersAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -644,6 +661,33 @@ class Worker:
             '/pathways_nb.v1.Worker/PushArray',
             pathways__nb_dot_rpc_dot_cluster__pb2.ArrayChunk.SerializeToString,
             pathways__nb_dot_rpc_dot_cluster__pb2.PushArrayResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OrderGang(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pathways_nb.v1.Worker/OrderGang',
+            pathways__nb_dot_rpc_dot_cluster__pb2.GangOrders.SerializeToString,
+            pathways__nb_dot_rpc_dot_cluster__pb2.GangOrdersAck.FromString,
             options,
             channel_credentials,
             insecure,

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pathways_nb.compat import results
 from pathways_nb.events import EventSink, ExecutionTimer
-from pathways_nb.protocol import schema
+from pathways_nb.protocol import op_sharding, schema
 from pathways_nb.protocol.errors import FailedPrecondition, InvalidRequest, NotFound, ResourceExhausted
 from pathways_nb.protocol.layouts import ROW_MAJOR_PLATFORMS, row_major
 from pathways_nb.protocol.shardings import IfrtSharding
@@ -37,6 +38,7 @@ from pathways_nb.runtime_api import (
 )
 from pathways_nb.worker import jaxlib_kernels
 from pathways_nb.worker import signature as program_signature
+from pathways_nb.worker.island import IslandMembership
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -68,14 +70,21 @@ class Program(ProgramInfo):
 class LocalRuntime:
     """This process's XLA devices, addressed by their jaxlib device ids."""
 
-    def __init__(self, platform: str | None = None, num_devices: int | None = None):
+    def __init__(
+        self, platform: str | None = None, num_devices: int | None = None, island: IslandMembership | None = None
+    ):
         configure_jax(platform, num_devices)
         import jax
 
+        if island is not None:
+            island.join(platform or "")
         jaxlib_kernels.prepare()
+        # This host's devices; in an island of several hosts, programs and shardings also name the
+        # other hosts' devices (one id space for the island's distributed runtime).
         self.devices = sorted(jax.local_devices(), key=lambda d: d.id)
         self.client = self.devices[0].client
-        self._by_id = {d.id: d for d in self.devices}
+        self._by_id = {d.id: d for d in jax.devices()}
+        self._local_ids = frozenset(d.id for d in self.devices)
         self.timer = ExecutionTimer()
 
     # -- sessions --------------------------------------------------------------------------
@@ -244,10 +253,16 @@ class LocalRuntime:
         return self.assemble(shape, sharding, singles)
 
     def assemble(self, shape: tuple[int, ...], sharding: IfrtSharding, singles: Sequence):
-        """One array from single-device arrays, one per device of ``sharding`` (in its order)."""
+        """One array from single-device arrays, one per device of ``sharding`` on this host (in its order).
+
+        Where ``sharding`` spans other hosts of the island, the result is this host's part of the
+        island-wide array: the other hosts assemble theirs.
+        """
         import jax
 
-        check_assemble_parts(sharding, [[device.id for device in single.devices()] for single in singles])
+        check_assemble_parts(
+            self.local_part(sharding), [[device.id for device in single.devices()] for single in singles]
+        )
         target = self.jax_sharding(sharding)
         expected = target.shard_shape(shape)
         for single in singles:
@@ -261,7 +276,12 @@ class LocalRuntime:
     def disassemble(self, array, sharding: IfrtSharding) -> list:
         """The single-device arrays of ``array``, in the order of ``sharding``'s devices."""
         by_device = {shard.device.id: shard.data for shard in array.addressable_shards}
-        return [by_device[device_id] for device_id in sharding.device_ids]
+        return [by_device[device_id] for device_id in self.local_part(sharding).device_ids]
+
+    def local_part(self, sharding: IfrtSharding) -> IfrtSharding:
+        """The devices of ``sharding`` on this host (all of them, unless it spans several hosts)."""
+        local = tuple(i for i in sharding.device_ids if i in self._local_ids)
+        return sharding if len(local) == len(sharding.device_ids) else IfrtSharding(local, sharding.memory_kind)
 
     def copy(self, array, sharding: IfrtSharding):
         """``array``'s value laid out by ``sharding`` (other devices, memory or partitioning)."""
@@ -285,8 +305,8 @@ class LocalRuntime:
         options = xc.CompileOptions.ParseFromString(compile_options)
         executable = _device_errors(self.client.compile_and_load, program, xc.DeviceList(tuple(devices)), options)
         device_ids = tuple(device_ids)
-        parameter_ops = _serialized(executable.get_parameter_shardings())
-        output_ops = _serialized(executable.get_output_shardings())
+        parameter_ops = _serialized(executable.get_parameter_shardings(), len(devices))
+        output_ops = _serialized(executable.get_output_shardings(), len(devices))
         output_shardings = output_shardings_of(output_ops, device_ids, len(signature.results))
         memory_kinds = tuple(executable.get_output_memory_kinds()[0]) if signature.results else ()
         handlers = []
@@ -296,11 +316,7 @@ class LocalRuntime:
             jax_sharding = self.jax_sharding(
                 IfrtSharding(sharding.device_ids, None if kind == "device" else kind, sharding.op_sharding)
             )
-            handlers.append(
-                xc.array_result_handler(
-                    core.ShapedArray(aval.shape, aval.dtype), jax_sharding, committed=True, _skip_checks=True
-                )
-            )
+            handlers.append(results.array_result_handler(core.ShapedArray(aval.shape, aval.dtype), jax_sharding))
         try:
             fingerprint = executable.fingerprint
         except Exception:  # noqa: BLE001 - not every backend has fingerprints
@@ -391,8 +407,11 @@ def _sharding_of(array) -> IfrtSharding:
     return IfrtSharding(devices, array.sharding.memory_kind, op.SerializeToString())
 
 
-def _serialized(op_shardings) -> tuple[bytes, ...] | None:
-    return None if op_shardings is None else tuple(op.SerializeToString() for op in op_shardings)
+def _serialized(op_shardings, num_devices: int) -> tuple[bytes, ...] | None:
+    """XLA's OpShardings serialized, in the plain form (its named ones, from jaxlib 0.10.2, rewritten)."""
+    if op_shardings is None:
+        return None
+    return tuple(op_sharding.plain(op.SerializeToString(), num_devices) for op in op_shardings)
 
 
 def _minor_to_major(layout) -> tuple[int, ...]:

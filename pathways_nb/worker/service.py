@@ -12,7 +12,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -23,6 +23,7 @@ from pathways_nb.protocol.errors import RequestError, as_request_error
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
 from pathways_nb.security import ClusterCredentials
+from pathways_nb.worker.gang import IslandOrder
 from pathways_nb.worker.programs import Programs
 from pathways_nb.worker.runtime import LocalRuntime
 from pathways_nb.worker.session import CHUNK_BYTES, WorkerSession
@@ -90,6 +91,8 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
         self.sessions: dict[str, WorkerSession] = {}
         self._peers: dict[str, cluster_pb2_grpc.WorkerStub] = {}
         self._peers_lock = threading.Lock()
+        # The order of this host's island for programs that span its hosts (see worker.gang).
+        self.island_order = IslandOrder()
 
     def background(self, work: Callable[[], object], done: Callable[[object, RequestError | None], None]) -> None:
         def run() -> None:
@@ -110,7 +113,15 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
         if key in self.sessions:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"session {key} is already open on this worker")
         session = WorkerSession(
-            key, self.runtime, self.programs, self.background, replies.put, self.push, replies.put_event
+            key,
+            self.runtime,
+            self.programs,
+            self.background,
+            replies.put,
+            self.push,
+            replies.put_event,
+            self.island_order,
+            self.announce_step,
         )
         self.sessions[key] = session
         _LOGGER.info("session %s opened", key)
@@ -170,6 +181,24 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
             self._peer(peer_address).PushArray(chunks())
         except grpc.RpcError as error:
             _LOGGER.warning("sending array %d to %s failed: %s", header.id, peer_address, error.details())
+
+    async def OrderGang(self, request, context):
+        for step in request.steps:
+            self.island_order.ordered(step.gang, step.step)
+        return pb.GangOrdersAck()
+
+    def announce_step(self, peers: Sequence[str], gang: str, step: int) -> None:
+        """Host 0: tells the island's other hosts the step of a multi-host program (sent off this thread)."""
+        orders = pb.GangOrders(steps=[pb.GangStep(gang=gang, step=step)])
+
+        def send(address: str) -> None:
+            try:
+                self._peer(address).OrderGang(orders, timeout=30)
+            except grpc.RpcError as error:
+                _LOGGER.warning("telling %s the island's order failed: %s", address, error.details())
+
+        for address in peers:
+            self.pool.submit(send, address)
 
     def _peer(self, address: str) -> cluster_pb2_grpc.WorkerStub:
         with self._peers_lock:

@@ -22,6 +22,7 @@ from pathways_nb.protocol import dtypes
 from pathways_nb.protocol.errors import InvalidRequest, NotFound, RequestError, as_request_error
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc.convert import sharding_from_proto
+from pathways_nb.worker.gang import IslandOrder
 from pathways_nb.worker.programs import Programs
 from pathways_nb.worker.runtime import LocalRuntime
 
@@ -53,6 +54,8 @@ class WorkerSession:
         reply: Callable[[pb.Reply], None],
         push: Callable[[str, pb.ArrayChunk, Callable[[], object]], None],
         events: EventSink,
+        order: IslandOrder | None = None,
+        announce: Callable[[Sequence[str], str, int], None] | None = None,
     ):
         self.key = key
         self.runtime = runtime
@@ -61,6 +64,10 @@ class WorkerSession:
         self._reply = reply
         self._push = push
         self._events = events
+        # Multi-host programs run in the island's order (``worker.gang``); host 0 announces it.
+        self._order = order
+        self._announce = announce
+        self._gang_waiting: set[str] = set()
         self.lock = threading.RLock()
         self.arrays: dict[int, ArrayRecord] = {}
         self._uploads: dict[int, bytearray] = {}
@@ -162,6 +169,9 @@ class WorkerSession:
         self._background(compile_now, done)
 
     def _execute(self, command: pb.Execute) -> None:
+        if command.gang:
+            self._execute_in_island_order(command)
+            return
         program = self.programs.get(command.program)
         args = [self._record(i) for i in command.args]
         results = [self._new(i) for i in command.results]
@@ -173,6 +183,56 @@ class WorkerSession:
                 record.set(value)
 
         self._derive(args, results, run)
+
+    def _execute_in_island_order(self, command: pb.Execute) -> None:
+        """This host's part of a program that spans the island: dispatched at its turn in the island's order.
+
+        Whatever happens to the part here (its arguments failed, the session ended), its turn is
+        given up, so the island's later programs are not held back.
+        """
+        key = command.gang
+        if self._order is None:
+            raise InvalidRequest("this worker is not part of an island of several hosts")
+        if command.gang_peers:
+            step = self._order.assign(key)
+            self._announce(list(command.gang_peers), key, step)
+        self._gang_waiting.add(key)
+        try:
+            program = self.programs.get(command.program)
+            args = [self._record(i) for i in command.args]
+            results = [self._new(i) for i in command.results]
+        except RequestError:
+            self._give_up_turn(key)
+            raise
+        keep = frozenset(command.keep)
+
+        def dispatch() -> None:
+            with self.lock:
+                if self.closed:
+                    return
+                try:
+                    values = self.runtime.execute(program, [a.value for a in args], keep, timed=self._events)
+                except Exception as error:  # noqa: BLE001 - the results hold it
+                    for record in results:
+                        record.fail(as_request_error(error))
+                    return
+                for record, value in zip(results, values, strict=True):
+                    record.set(value)
+
+        def take_turn() -> None:
+            self._gang_waiting.discard(key)
+            self._order.ready(key, dispatch)
+
+        try:
+            run_after(args, take_turn, self.lock, results, on_error=lambda _error: self._give_up_turn(key))
+        except Exception:
+            self._give_up_turn(key)
+            raise
+
+    def _give_up_turn(self, key: str) -> None:
+        if key in self._gang_waiting:
+            self._gang_waiting.discard(key)
+            self._order.ready(key, None)
 
     def _fetch(self, command: pb.Fetch) -> None:
         record = self._record(command.id)
@@ -313,6 +373,8 @@ class WorkerSession:
     def close(self) -> None:
         with self.lock:
             self.closed = True
+            for key in list(self._gang_waiting):
+                self._give_up_turn(key)
             arrays, self.arrays = self.arrays, {}
             self._uploads.clear()
         for record in arrays.values():
