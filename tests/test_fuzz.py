@@ -38,8 +38,8 @@ SECONDS = float(os.environ.get("PATHWAYS_FUZZ_SECONDS", "15"))
 MIB = 1 << 20
 # Growth of a server's resident memory that the fuzzing may leave behind: caches of the
 # programs and shardings it made (the compile cache keeps up to 256 programs) and allocator
-# slack. Measured: +10 to +26 MiB per process over 15 s runs; a leak of the uploads or arrays
-# the fuzzer makes would be hundreds of MiB.
+# slack. Measured: +15 to +39 MiB per process after 15 s runs, levelling off near +50 MiB after
+# a minute; a leak of the uploads or arrays the fuzzer makes is hundreds of MiB (one was 3.3 GiB).
 RSS_SLACK = 64 * MIB
 INTERNAL = grpc.StatusCode.INTERNAL.value[0]
 SERVICE_STORE = testing.SERVICE + "HostBufferStore"
