@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import numpy as np
 import pytest
 from jax._src import core
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+X = np.arange(64, dtype=np.float32).reshape(8, 8) / 7
 
 
 def test_programs_make_take_and_return_tokens(both):
@@ -21,5 +27,31 @@ def test_programs_make_take_and_return_tokens(both):
                 np.asarray(token._buf)
         assert passed is not made
         return y
+
+    both(program)
+
+
+def test_device_put_onto_the_same_devices_in_another_order(both):
+    def program(devices):
+        first = Mesh(np.array(devices).reshape(2, 2), ("x", "y"))
+        reversed_order = Mesh(np.array(devices[::-1]).reshape(2, 2), ("x", "y"))
+        a = jax.device_put(X, NamedSharding(first, P("x", "y")))
+        b = jax.device_put(a, NamedSharding(reversed_order, P("x")))  # jax reorders the shards (a remap)
+        c = jax.device_put(b, NamedSharding(first, P(None, "x")))
+        assert b.sharding == NamedSharding(reversed_order, P("x"))
+        return a, b, c, jax.jit(lambda v: v * 2)(b)
+
+    both(program)
+
+
+def test_a_donated_argument_no_output_can_take_stays_alive(both):
+    def program(devices):
+        mesh = Mesh(np.array(devices[:2]), ("x",))
+        x = jax.device_put(X[:, :2], NamedSharding(mesh, P("x")))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+            y = jax.jit(lambda v: v @ v.T, donate_argnums=0)(x)
+        assert not x.is_deleted()
+        return x, y
 
     both(program)

@@ -446,11 +446,12 @@ def _memory_stats(executable) -> dict[str, int]:
 
 
 def _donated_parameters(executable) -> frozenset[int]:
-    """Parameters the compiled program may consume (input/output aliases and buffer donors)."""
+    """Parameters the compiled program consumes: those with an input/output alias, as PjRt donates.
+
+    A buffer donor left in the compiled module found no output to alias, and its argument stays alive.
+    """
     module = schema.load().xla.HloModuleProto.FromString(executable.hlo_modules()[0].as_serialized_hlo_module_proto())
-    donated = {entry.parameter_number for entry in module.input_output_alias.entries}
-    donated.update(entry.parameter_number for entry in module.buffer_donor.entries)
-    return frozenset(donated)
+    return frozenset(entry.parameter_number for entry in module.input_output_alias.entries)
 
 
 def _device_errors(function, *args, **kwargs):
