@@ -1,12 +1,15 @@
 """``xla.OpSharding`` read in pure Python, so client input never reaches XLA's C++ in the proxy.
 
 XLA stops the whole process with a CHECK on some shardings it does not expect
-(``xc.HloSharding.from_proto`` on a newer client's named sharding, a jax
-sharding built over no devices), so the proxy reads OpShardings here: it checks
-every field, answers what the proxy needs (which region of an array each
-device holds, the shard shape, whether every device holds all of it) and
-writes the validated sharding back in the plain form (explicit tile
-assignment) that the workers hand to XLA.
+(asking a named sharding for its tiles, a jax sharding built over no devices),
+so the proxy reads OpShardings here: it checks every field, answers what the
+proxy needs (which region of an array each device holds, the shard shape,
+whether every device holds all of it) and writes the validated sharding back
+in the plain form (explicit tile assignment) that the workers hand to XLA and
+that every client reads. Named shardings (HloShardingV3: a mesh and axes,
+which jaxlib 0.10.2's XLA writes for programs a jaxlib >= 0.11 client lowered)
+are read into the same ``Tiling``; fields this server's schema does not know
+(a newer XLA's) are refused as a newer format.
 
 A sharding over ``n`` devices names them by position ``0..n-1`` in the
 device list it travels with. Its tiles are laid out row-major over the
@@ -153,6 +156,26 @@ def read(serialized: bytes, num_devices: int) -> Tiling:
     return _read_cached(bytes(serialized), num_devices)
 
 
+def plain(serialized: bytes, num_devices: int) -> bytes:
+    """``serialized`` in the V1/V2 form every client reads: a named sharding rewritten, any other as it is.
+
+    A jaxlib 0.12 client aborts (a CHECK in ``HloSharding::tile_assignment``)
+    when a reply carries a named sharding, and jaxlib 0.10.2's XLA writes them
+    for programs a jaxlib >= 0.11 client lowered, so nothing named leaves the server.
+    """
+    if not _is_named(bytes(serialized)):
+        return serialized
+    return read(serialized, num_devices).to_proto().SerializeToString()
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_named(serialized: bytes) -> bool:
+    try:
+        return schema.load().xla.OpSharding.FromString(serialized).HasField("named_sharding")
+    except protobuf_message.DecodeError:
+        return False  # read() says what is wrong with it
+
+
 @functools.lru_cache(maxsize=4096)
 def _read_cached(serialized: bytes, num_devices: int) -> Tiling:
     try:
@@ -168,7 +191,9 @@ def from_message(op, num_devices: int) -> Tiling:
         raise InvalidRequest("a sharding over no devices; give at least one device")
     check_no_unknown_fields(op, "OpSharding")
     if op.HasField("named_sharding"):
-        raise newer_format("a named (mesh and axes) OpSharding")
+        if op.tile_assignment_dimensions or op.tile_assignment_devices or op.iota_reshape_dims:
+            raise InvalidRequest("an OpSharding gives both a named sharding and a tile assignment")
+        return _named(op.named_sharding, num_devices)
     kind = op.type
     if kind == REPLICATED:
         return Tiling(num_devices)
@@ -277,3 +302,108 @@ def _subgroup_dims(op, rank: int) -> list[int]:
         if kind not in (REPLICATED, MANUAL, UNREDUCED):
             raise InvalidRequest(f"last_tile_dims may hold REPLICATED, MANUAL or UNREDUCED, not {_TYPE_NAMES[kind]}")
     return kinds
+
+
+def _named(named, num_devices: int) -> Tiling:
+    """A named (HloShardingV3: mesh and axes) sharding as the same tiling its V2 form has.
+
+    Each device sits at one coordinate of the mesh; a dimension sharded over
+    axes (major to minor) is split into the product of their sizes, and the
+    device's tile along it is the mixed-radix number of its coordinates on
+    those axes. Axes no dimension uses replicate; a device's rank among its
+    tile's holders follows mesh order, as XLA's V3-to-V2 conversion does.
+    """
+    for part, what in ((named, "named sharding"), (named.mesh, "named sharding's mesh")):
+        check_no_unknown_fields(part, what)
+    if named.manual_axes:
+        raise Unimplemented(
+            "a named sharding with manual axes (inside shard_map) cannot describe an array on this server; "
+            "give the array a tiled or replicated sharding"
+        )
+    sizes = [axis.size for axis in named.mesh.axes]
+    if not sizes:  # XLA's replicated named sharding: an empty mesh, no axis named anywhere
+        for ref in (*named.replicated_axes, *named.unreduced_axes, *(r for d in named.dim_shardings for r in d.axes)):
+            _axis_part(ref, sizes)
+        return Tiling(num_devices)
+    if any(size < 1 for size in sizes) or math.prod(sizes) != num_devices:
+        raise InvalidRequest(
+            f"a named sharding's mesh of axis sizes {sizes} does not hold the {num_devices} devices it was sent with; "
+            "give it as many devices as its mesh has"
+        )
+    mesh_devices = _mesh_devices(named.mesh, num_devices)
+    unreduced = [_axis_part(ref, sizes) for ref in named.unreduced_axes]
+    if any(size > 1 for _, size, _ in unreduced):
+        raise Unimplemented(
+            "a named sharding with unreduced axes (partial sums) cannot describe an array on this server; "
+            "reduce the array (or give it a tiled or replicated sharding) first"
+        )
+    for ref in named.replicated_axes:
+        _axis_part(ref, sizes)
+    for dim in named.dim_shardings:
+        check_no_unknown_fields(dim, "named sharding's dimension")
+    dims = [[_axis_part(ref, sizes) for ref in dim.axes] for dim in named.dim_shardings]
+    partitions = tuple(math.prod(size for _, size, _ in axes) for axes in dims)
+    tiles = math.prod(partitions)
+    if tiles == 1:
+        return Tiling(num_devices)
+    keys = {}
+    for position, coordinate in enumerate(itertools.product(*(range(size) for size in sizes))):
+        keys[mesh_devices[position]] = tuple(_tile_index(axes, coordinate) for axes in dims)
+    holders: dict[tuple[int, ...], int] = {}
+    for key in keys.values():
+        holders[key] = holders.get(key, 0) + 1
+    replicas = num_devices // tiles
+    if len(holders) != tiles or any(count != replicas for count in holders.values()):
+        raise InvalidRequest(
+            "a named sharding uses a mesh axis (or part of one) more than once; shard each axis over one dimension"
+        )
+    order = sorted(mesh_devices, key=keys.__getitem__)  # stable: mesh order among a tile's holders
+    return Tiling(num_devices, partitions, replicas, tuple(order))
+
+
+def _mesh_devices(mesh, num_devices: int) -> list[int]:
+    """The device position at each mesh coordinate (row-major): explicit, an iota transform, or in order."""
+    explicit = list(mesh.device_ids)
+    if mesh.HasField("iota_transform"):
+        check_no_unknown_fields(mesh.iota_transform, "named sharding's mesh iota")
+        if explicit:
+            raise InvalidRequest("a named sharding's mesh gives both device_ids and an iota transform")
+        reshape = list(mesh.iota_transform.reshape_dims)
+        perm = list(mesh.iota_transform.transpose_perm)
+        if any(d < 1 for d in reshape) or math.prod(reshape) != num_devices:
+            raise InvalidRequest(f"a mesh iota's reshape_dims {reshape} do not multiply to the {num_devices} devices")
+        if sorted(perm) != list(range(len(reshape))):
+            raise InvalidRequest(f"a mesh iota's transpose_perm {perm} is not a permutation of its reshape_dims")
+        return _iota(reshape, perm)
+    if not explicit:
+        return list(range(num_devices))
+    if sorted(explicit) != list(range(num_devices)):
+        raise InvalidRequest(
+            f"a named sharding's mesh device_ids {explicit} must name each of the {num_devices} devices "
+            f"(positions 0 to {num_devices - 1}) exactly once"
+        )
+    return explicit
+
+
+def _axis_part(ref, sizes: list[int]) -> tuple[int, int, int]:
+    """(mesh axis, size, stride) of an axis reference: a whole axis, or the sub-axis ``(pre_size)size`` of one."""
+    check_no_unknown_fields(ref, "named sharding's axis reference")
+    index = ref.mesh_axis_index
+    if not 0 <= index < len(sizes):
+        raise InvalidRequest(f"a named sharding names mesh axis {index} of a mesh with {len(sizes)} axes")
+    full = sizes[index]
+    if not ref.HasField("sub_axis_info"):
+        return index, full, 1
+    check_no_unknown_fields(ref.sub_axis_info, "named sharding's sub-axis")
+    pre, size = ref.sub_axis_info.pre_size, ref.sub_axis_info.size
+    if pre < 1 or size < 1 or full % (pre * size):
+        raise InvalidRequest(f"sub-axis ({pre}){size} does not divide mesh axis {index} of size {full}")
+    return index, size, full // (pre * size)
+
+
+def _tile_index(axes: list[tuple[int, int, int]], coordinate: tuple[int, ...]) -> int:
+    """A device's tile along one dimension: its (sub-)axis coordinates read as one mixed-radix number."""
+    tile = 0
+    for index, size, stride in axes:
+        tile = tile * size + (coordinate[index] // stride) % size
+    return tile

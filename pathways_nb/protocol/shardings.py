@@ -18,6 +18,7 @@ from google.protobuf.message import DecodeError
 from pathways_nb.protocol import schema
 from pathways_nb.protocol.errors import InvalidRequest, Unimplemented
 from pathways_nb.protocol.op_sharding import Tiling, check_no_unknown_fields
+from pathways_nb.protocol.op_sharding import plain as plain_op_sharding
 from pathways_nb.protocol.op_sharding import read as read_op_sharding
 
 SINGLE_DEVICE = "xla::ifrt::SingleDeviceSharding"
@@ -114,7 +115,7 @@ def from_proto(proto) -> IfrtSharding:
     if not devices:
         raise InvalidRequest(f"a {type_name} with no devices; list the devices the array lives on")
     if type_name == HLO:
-        serialized = body.xla_op_sharding.SerializeToString()
+        serialized = plain_op_sharding(body.xla_op_sharding.SerializeToString(), len(devices))
         replicated = read_op_sharding(serialized, len(devices)).is_fully_replicated
         return IfrtSharding(devices, _memory_kind(body), None if replicated else serialized)
     if type_name == CONCRETE_EVEN and (body.is_fully_replicated or len(devices) == 1):
