@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pathways_nb.compat import results
+from pathways_nb.compat import result_handlers
 from pathways_nb.events import EventSink, ExecutionTimer
 from pathways_nb.protocol import op_sharding, schema
 from pathways_nb.protocol.errors import FailedPrecondition, InvalidRequest, NotFound, ResourceExhausted
@@ -316,7 +316,7 @@ class LocalRuntime:
             jax_sharding = self.jax_sharding(
                 IfrtSharding(sharding.device_ids, None if kind == "device" else kind, sharding.op_sharding)
             )
-            handlers.append(results.array_result_handler(core.ShapedArray(aval.shape, aval.dtype), jax_sharding))
+            handlers.append(result_handlers.array(core.ShapedArray(aval.shape, aval.dtype), jax_sharding))
         try:
             fingerprint = executable.fingerprint
         except Exception:  # noqa: BLE001 - not every backend has fingerprints

@@ -13,7 +13,7 @@ def _takes_skip_checks() -> bool:
     return "_skip_checks" in (xc.array_result_handler.__doc__ or "")
 
 
-def array_result_handler(aval, sharding):
+def array(aval, sharding):
     """A handler making committed arrays of ``aval`` laid out by ``sharding`` (a jax sharding)."""
     from jax._src.lib import xla_client as xc
 
