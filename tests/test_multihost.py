@@ -67,6 +67,7 @@ SPMD = """
             "reshard": jax.device_put(a, NamedSharding(mesh, P(None, "x"))),
             "grad_step": jax.jit(lambda w, b: w - 0.01 * jax.grad(loss)(w, b))(w, jax.device_put(x, rows)),
             "to_one_device": jax.device_put(a, devices[3]),
+            "replicated_scalar": jax.device_put(np.float32(3.5), NamedSharding(mesh, P())) * 2,
         }
 
     remote = {k: np.asarray(v) for k, v in programs(island0).items()}
@@ -88,7 +89,7 @@ SPMD = """
 def test_spmd_programs_across_hosts_equal_local_jax(two_by_two):
     report = _run(SPMD, two_by_two.address, two_by_two.token)
     assert report.pop("hosts") == [0, 1]
-    assert report == dict.fromkeys(report, True) and len(report) == 10, report
+    assert report == dict.fromkeys(report, True) and len(report) == 11, report
 
 
 COLLECTIVES = """

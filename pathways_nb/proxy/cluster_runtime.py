@@ -99,7 +99,8 @@ class ClusterRuntime:
         while not self._closed:
             try:
                 # wait_for_ready: while the resource manager is away, wait for it without polling.
-                for state in self._rm.WatchCluster(pb.ClusterStateRequest(), wait_for_ready=True):
+                # Deltas: after the first state, only the workers that changed (merged by _update).
+                for state in self._rm.WatchCluster(pb.ClusterStateRequest(deltas=True), wait_for_ready=True):
                     try:
                         self._update(state)
                     except Exception:
@@ -274,6 +275,15 @@ class ClusterSession:
         self._released = False
         self._devices = {d.id: d for d in allocation.devices}
         self._global_ids = {(d.worker_id, d.local_id): d.id for d in allocation.devices}
+        # A device's place on its host (jaxlib's ids of an island's hosts are offsets in one id space).
+        by_worker: dict[str, list[pb.Device]] = {}
+        for device in allocation.devices:
+            by_worker.setdefault(device.worker_id, []).append(device)
+        self._ordinals = {
+            device.id: ordinal
+            for devices in by_worker.values()
+            for ordinal, device in enumerate(sorted(devices, key=lambda d: d.local_id))
+        }
         self._device_ids = tuple(d.id for d in allocation.devices)
         self._links: dict[str, WorkerLink] = {}
         self._gangs = itertools.count(1)
@@ -312,7 +322,8 @@ class ClusterSession:
                         "slice_index": device.island,
                         "host_index": device.host_index,
                         "host": device.worker_address,
-                        "coords": [device.host_index, device.local_id],
+                        # The device's place in its island's mesh: (host, device on the host).
+                        "coords": [device.host_index, self._ordinals[device.id]],
                     },
                 )
             )
@@ -411,7 +422,7 @@ class ClusterSession:
         shape = tuple(host.shape)
         if len(self._worker_ids(sharding)) > 1:
             parts = [
-                self.put(np.ascontiguousarray(host[index]), IfrtSharding((device_id,), sharding.memory_kind))
+                self.put(np.array(host[index], order="C"), IfrtSharding((device_id,), sharding.memory_kind))
                 for device_id, index in zip(sharding.device_ids, sharding.shard_indices(shape), strict=True)
             ]
             return self.assemble(shape, sharding, parts)
