@@ -6,10 +6,16 @@ marked unhealthy (with the reason), and healthy again when it registers anew.
 The incarnation is the worker process's own: a worker that registers again
 after a restart of the resource manager keeps it (its arrays are still
 there), a new process brings a new one.
+
+Built for clusters of thousands of devices: the device index (by id, by
+island) changes only when a worker registers, a heartbeat only stamps a time,
+and every change is noted (``take_changes``) so that the resource manager can
+tell watchers what changed instead of everything.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass, field
 
@@ -26,6 +32,8 @@ class WorkerEntry:
     last_heartbeat: float = field(default_factory=time.monotonic)
     healthy: bool = True
     down_reason: str = ""
+    # The worker's devices as the cluster reports them, built once at registration.
+    devices: list[pb.Device] = field(default_factory=list)
 
     @property
     def island(self) -> int:
@@ -34,6 +42,27 @@ class WorkerEntry:
     @property
     def host_index(self) -> int:
         return self.request.host_index
+
+    def set_health(self, healthy: bool, reason: str) -> None:
+        self.healthy = healthy
+        self.down_reason = reason
+        for device in self.devices:
+            device.healthy = healthy
+
+    def state(self, now: float) -> pb.WorkerState:
+        return pb.WorkerState(
+            worker_id=self.worker_id,
+            address=self.request.address,
+            island=self.island,
+            host_index=self.host_index,
+            healthy=self.healthy,
+            heartbeat_age_s=now - self.last_heartbeat,
+            hostname=self.request.hostname,
+            incarnation=self.incarnation,
+            device_ids=self.device_ids,
+            pid=self.request.pid,
+            down_reason=self.down_reason,
+        )
 
 
 class Registry:
@@ -46,6 +75,11 @@ class Registry:
         self._incarnations = 0
         # Free-form clusters (no topology): ids are handed out once per (island, host, local device).
         self._assigned_ids: dict[tuple[int, int, int], int] = {}
+        self._by_address: dict[str, str] = {}
+        self._devices: dict[int, pb.Device] = {}
+        self._ids: list[int] = []  # every device id, sorted
+        self._island_ids: dict[int, list[int]] = {}  # island -> its device ids, sorted
+        self._changed: set[str] = set()  # worker ids changed since the last take_changes
 
     def register(self, request: pb.RegisterWorkerRequest) -> WorkerEntry:
         """Adds (or replaces) a worker; ``ValueError`` says why one does not fit the cluster."""
@@ -58,9 +92,9 @@ class Registry:
         elif request.island < 0 or request.host_index < 0:
             raise ValueError("island and host index must be >= 0")
         worker_id = f"island{request.island}-host{request.host_index}"
-        for other in self.workers.values():
-            if other.request.address == request.address and other.worker_id != worker_id:
-                raise ValueError(f"{request.address} is already registered as {other.worker_id}")
+        other = self._by_address.get(request.address)
+        if other is not None and other != worker_id and other in self.workers:
+            raise ValueError(f"{request.address} is already registered as {other}")
         self._incarnations += 1
         entry = WorkerEntry(
             worker_id,
@@ -68,8 +102,50 @@ class Registry:
             request.incarnation or self._incarnations,
             [self._device_id(request.island, request.host_index, index) for index in range(len(request.devices))],
         )
+        entry.devices = [
+            pb.Device(
+                id=device_id,
+                island=request.island,
+                host_index=request.host_index,
+                local_id=local.local_id,
+                worker_id=worker_id,
+                worker_address=request.address,
+                incarnation=entry.incarnation,
+                platform=request.platform,
+                kind=local.kind,
+                memory_kinds=local.memory_kinds,
+                local_hardware_id=local.local_hardware_id,
+                healthy=True,
+            )
+            for device_id, local in zip(entry.device_ids, request.devices, strict=True)
+        ]
+        previous = self.workers.get(worker_id)
+        if previous is not None:
+            self._unindex(previous)
         self.workers[worker_id] = entry
+        self._index(entry)
+        self._changed.add(worker_id)
         return entry
+
+    def _index(self, entry: WorkerEntry) -> None:
+        self._by_address[entry.request.address] = entry.worker_id
+        island_ids = self._island_ids.setdefault(entry.island, [])
+        for device in entry.devices:
+            if device.id not in self._devices:
+                bisect.insort(self._ids, device.id)
+                bisect.insort(island_ids, device.id)
+            self._devices[device.id] = device
+
+    def _unindex(self, entry: WorkerEntry) -> None:
+        if self._by_address.get(entry.request.address) == entry.worker_id:
+            del self._by_address[entry.request.address]
+        island_ids = self._island_ids[entry.island]
+        for device_id in entry.device_ids:
+            del self._devices[device_id]
+            del self._ids[bisect.bisect_left(self._ids, device_id)]
+            del island_ids[bisect.bisect_left(island_ids, device_id)]
+        if not island_ids:
+            del self._island_ids[entry.island]
 
     def _device_id(self, island: int, host_index: int, index: int) -> int:
         """The cluster id of the ``index``-th device of a host (its jaxlib id is the host's business)."""
@@ -80,79 +156,70 @@ class Registry:
             self._assigned_ids[key] = len(self._assigned_ids)
         return self._assigned_ids[key]
 
-    def heartbeat(self, worker_id: str, incarnation: int) -> bool:
-        """Records a heartbeat; False if the worker must register (again)."""
+    def heartbeat(self, worker_id: str, incarnation: int) -> tuple[bool, bool]:
+        """Records a heartbeat: (known, revived). Not known: the worker must register (again)."""
         entry = self.workers.get(worker_id)
         if entry is None or entry.incarnation != incarnation:
-            return False
+            return False, False
         entry.last_heartbeat = time.monotonic()
-        if not entry.healthy:
-            # A heartbeat from a worker declared dead: it was only slow, or the network came back.
-            entry.healthy = True
-            entry.down_reason = ""
-        return True
+        if entry.healthy:
+            return True, False
+        # A heartbeat from a worker declared dead: it was only slow, or the network came back.
+        entry.set_health(True, "")
+        self._changed.add(worker_id)
+        return True, True
 
     def exited(self, island: int, host_index: int, pid: int, reason: str) -> WorkerEntry | None:
         """Marks the worker whose process ``pid`` ended down; None if that process is not the registered one."""
         entry = self.workers.get(f"island{island}-host{host_index}")
         if entry is None or (pid and entry.request.pid != pid):
             return None
-        entry.healthy = False
-        entry.down_reason = reason
+        entry.set_health(False, reason)
+        self._changed.add(entry.worker_id)
         return entry
 
     def sweep(self) -> list[WorkerEntry]:
         """Marks workers silent for too long unhealthy; returns those that just changed."""
-        now = time.monotonic()
-        changed = []
-        for entry in self.workers.values():
-            if entry.healthy and now - entry.last_heartbeat > self.worker_timeout_s:
-                entry.healthy = False
-                entry.down_reason = f"it missed its heartbeats for {self.worker_timeout_s:g} s"
-                changed.append(entry)
+        deadline = time.monotonic() - self.worker_timeout_s
+        changed = [e for e in self.workers.values() if e.healthy and e.last_heartbeat < deadline]
+        for entry in changed:
+            entry.set_health(False, f"it missed its heartbeats for {self.worker_timeout_s:g} s")
+            self._changed.add(entry.worker_id)
         return changed
+
+    def take_changes(self) -> list[WorkerEntry]:
+        """The workers registered or whose health changed since the last call, and forgets them."""
+        changed = [self.workers[w] for w in sorted(self._changed) if w in self.workers]
+        self._changed.clear()
+        return changed
+
+    # -- the device index ------------------------------------------------------------------
+
+    def device(self, device_id: int) -> pb.Device | None:
+        return self._devices.get(device_id)
+
+    def device_ids(self, islands: tuple[int, ...] = ()) -> list[int]:
+        """The ids of the devices of ``islands`` (empty: all), sorted; the caller must not change the list."""
+        if not islands:
+            return self._ids
+        if len(islands) == 1:
+            return self._island_ids.get(islands[0], [])
+        return sorted(i for island in set(islands) for i in self._island_ids.get(island, ()))
 
     def devices(self) -> list[pb.Device]:
         """Every known device, in id order."""
-        devices = []
-        for entry in self.workers.values():
-            for device_id, local in zip(entry.device_ids, entry.request.devices, strict=True):
-                devices.append(
-                    pb.Device(
-                        id=device_id,
-                        island=entry.island,
-                        host_index=entry.host_index,
-                        local_id=local.local_id,
-                        worker_id=entry.worker_id,
-                        worker_address=entry.request.address,
-                        incarnation=entry.incarnation,
-                        platform=entry.request.platform,
-                        kind=local.kind,
-                        memory_kinds=local.memory_kinds,
-                        local_hardware_id=local.local_hardware_id,
-                        healthy=entry.healthy,
-                    )
-                )
-        return sorted(devices, key=lambda d: d.id)
+        return [self._devices[i] for i in self._ids]
+
+    @property
+    def platform(self) -> str:
+        """The platform of the lowest device id ("" before any worker registered)."""
+        return self._devices[self._ids[0]].platform if self._ids else ""
 
     def islands(self) -> list[int]:
-        return sorted({entry.island for entry in self.workers.values()})
+        return sorted(self._island_ids)
 
-    def worker_states(self) -> list[pb.WorkerState]:
+    def worker_states(self, entries: list[WorkerEntry] | None = None) -> list[pb.WorkerState]:
+        """The state of ``entries`` (None: every worker), in island and host order."""
         now = time.monotonic()
-        return [
-            pb.WorkerState(
-                worker_id=entry.worker_id,
-                address=entry.request.address,
-                island=entry.island,
-                host_index=entry.host_index,
-                healthy=entry.healthy,
-                heartbeat_age_s=now - entry.last_heartbeat,
-                hostname=entry.request.hostname,
-                incarnation=entry.incarnation,
-                device_ids=entry.device_ids,
-                pid=entry.request.pid,
-                down_reason=entry.down_reason,
-            )
-            for entry in sorted(self.workers.values(), key=lambda e: (e.island, e.host_index))
-        ]
+        chosen = self.workers.values() if entries is None else entries
+        return [entry.state(now) for entry in sorted(chosen, key=lambda e: (e.island, e.host_index))]

@@ -24,7 +24,7 @@ class ResourceManagerServer:
         self.service = ResourceManagerService(topology, worker_timeout_s, heartbeat_interval_s)
 
         async def start() -> None:
-            self.service.start_sweeping()
+            self.service.start()
 
         self._server = BackgroundServer(
             lambda server: cluster_pb2_grpc.add_ResourceManagerServicer_to_server(self.service, server),

@@ -1,8 +1,10 @@
 """The resource manager's gRPC service: registration, heartbeats, allocations, cluster state.
 
 Everything runs on one asyncio loop, so the registry and the allocator need no
-locks; every change wakes the calls that wait for one (queued allocations,
-cluster watchers).
+locks; every change wakes the queued allocations at once. Cluster watchers are
+fed by one publisher, at most once per ``publish_interval_s``: each update is
+built once and shared by every watcher, and a watcher that asked for deltas
+gets only the workers that changed (a whole state if it fell behind).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 import grpc
 
@@ -24,21 +27,43 @@ _LOGGER = logging.getLogger(__name__)
 SERVICE_NAME = "pathways_nb.v1.ResourceManager"
 
 
+@dataclass(frozen=True)
+class _Publication:
+    """One update for the watchers: ``delta`` holds what changed since publication ``version - 1``."""
+
+    version: int
+    delta: pb.ClusterState
+
+
 class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
-    def __init__(self, topology: Topology | None, worker_timeout_s: float = 3.0, heartbeat_interval_s: float = 0.5):
+    def __init__(
+        self,
+        topology: Topology | None,
+        worker_timeout_s: float = 3.0,
+        heartbeat_interval_s: float = 0.5,
+        publish_interval_s: float = 0.1,
+    ):
         self.topology = topology
         self.heartbeat_interval_s = heartbeat_interval_s
+        self.publish_interval_s = publish_interval_s
         self.registry = Registry(topology, worker_timeout_s)
         self.allocator = Allocator()
         self._change = asyncio.Event()
-        self._sweeper: asyncio.Task | None = None
+        self._dirty = asyncio.Event()  # something changed that the watchers have not been sent
+        self._version = 0  # counts changes: the cached state is good while it stays the same
+        self._cached: tuple[int, float, pb.ClusterState] | None = None
+        self._publication = _Publication(0, pb.ClusterState(delta=True))
+        self._published = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
 
     # -- changes ---------------------------------------------------------------------------
 
     def _changed(self) -> None:
-        """Wakes everything that waits for the cluster to change."""
+        """Wakes the allocations that wait for the cluster to change, and tells the publisher."""
+        self._version += 1
         self._change.set()
         self._change = asyncio.Event()
+        self._dirty.set()
 
     async def _next_change(self, timeout_s: float | None) -> None:
         try:
@@ -46,12 +71,32 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
         except asyncio.TimeoutError:
             pass
 
-    def start_sweeping(self) -> None:
-        self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
+    def start(self) -> None:
+        """Starts sweeping for silent workers and publishing to watchers (on the running loop)."""
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._sweep_forever()), loop.create_task(self._publish_forever())]
 
     async def stop(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
+        for task in self._tasks:
+            task.cancel()
+
+    async def _publish_forever(self) -> None:
+        # The first change after a quiet spell goes out at once; a burst is sent as one update per interval.
+        while True:
+            await self._dirty.wait()
+            self._dirty.clear()
+            self._publish()
+            await asyncio.sleep(self.publish_interval_s)
+
+    def _publish(self) -> None:
+        changed = self.registry.take_changes()
+        delta = self._summary()
+        delta.delta = True
+        delta.workers.extend(self.registry.worker_states(changed))
+        delta.devices.extend(device for entry in changed for device in entry.devices)
+        self._publication = _Publication(self._publication.version + 1, delta)
+        self._published.set()
+        self._published = asyncio.Event()
 
     async def _sweep_forever(self) -> None:
         while True:
@@ -67,7 +112,7 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
                 self._changed()
 
     def _grant(self) -> None:
-        if self.allocator.grant(self.registry.devices()):
+        if self.allocator.queue and self.allocator.grant(self.registry):
             self._changed()
 
     # -- workers ---------------------------------------------------------------------------
@@ -94,10 +139,8 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
         )
 
     async def Heartbeat(self, request, context):
-        entry = self.registry.workers.get(request.worker_id)
-        was_healthy = entry is not None and entry.healthy
-        known = self.registry.heartbeat(request.worker_id, request.incarnation)
-        if known and not was_healthy:
+        known, revived = self.registry.heartbeat(request.worker_id, request.incarnation)
+        if revived:
             self._changed()
         return pb.HeartbeatResponse(known=known)
 
@@ -127,14 +170,14 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
         deadline = time.monotonic() + request.timeout_s if request.timeout_s else None
         try:
             try:
-                self.allocator.check(ticket, self.registry.devices())
+                self.allocator.check(ticket, self.registry)
             except Unsatisfiable as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             while True:
                 self._grant()
                 if ticket.granted:
                     break
-                waiting = self.allocator.waiting(ticket, self.registry.devices())
+                waiting = self.allocator.waiting(ticket, self.registry)
                 if deadline is not None and time.monotonic() >= deadline:
                     await context.abort(
                         grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -144,11 +187,10 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
                 yield pb.AllocateUpdate(waiting=waiting)
                 await self._next_change(None if deadline is None else max(0.0, deadline - time.monotonic()))
             _LOGGER.info("%s granted to %s: devices %s", ticket.allocation_id, ticket.tenant, list(ticket.devices))
-            devices = {d.id: d for d in self.registry.devices()}
             yield pb.AllocateUpdate(
                 granted=pb.Allocation(
                     allocation_id=ticket.allocation_id,
-                    devices=[devices[i] for i in ticket.devices],
+                    devices=[self.registry.device(i) for i in ticket.devices],
                     platform=self._platform(),
                 )
             )
@@ -167,9 +209,9 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
         _LOGGER.info("%s of %s reclaimed: devices %s", ticket.allocation_id, ticket.tenant, list(ticket.devices))
         self._changed()
         try:
-            devices = {d.id: d for d in self.registry.devices()}
             granted = pb.Allocation(allocation_id=ticket.allocation_id, platform=self._platform())
-            granted.devices.extend(devices[i] for i in ticket.devices if i in devices)
+            devices = (self.registry.device(i) for i in ticket.devices)
+            granted.devices.extend(device for device in devices if device is not None)
             yield pb.AllocateUpdate(granted=granted)
             await asyncio.Event().wait()
         finally:
@@ -178,30 +220,46 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
             self._changed()
 
     def _platform(self) -> str:
-        devices = self.registry.devices()
-        return devices[0].platform if devices else (self.topology.platform if self.topology else "")
+        return self.registry.platform or (self.topology.platform if self.topology else "")
 
     # -- state -----------------------------------------------------------------------------
 
-    def state(self) -> pb.ClusterState:
+    def _summary(self) -> pb.ClusterState:
+        """The state without workers and devices: allocations, the queue, the shape."""
         topology = self.topology
         return pb.ClusterState(
-            workers=self.registry.worker_states(),
-            devices=self.registry.devices(),
             allocations=self.allocator.states(),
             waiting=len(self.allocator.queue),
-            queue=self.allocator.queued(self.registry.devices()),
+            queue=self.allocator.queued(self.registry),
             islands=topology.islands if topology else len(self.registry.islands()),
             hosts_per_island=topology.hosts_per_island if topology else 0,
             devices_per_host=topology.devices_per_host if topology else 0,
             platform=self._platform(),
         )
 
+    def state(self) -> pb.ClusterState:
+        """The whole state; built again only after a change, or once its ages are a publish interval old."""
+        now = time.monotonic()
+        if self._cached is not None:
+            version, built, state = self._cached
+            if version == self._version and now - built < self.publish_interval_s:
+                return state
+        state = self._summary()
+        state.workers.extend(self.registry.worker_states())
+        state.devices.extend(self.registry.devices())
+        self._cached = (self._version, now, state)
+        return state
+
     async def GetClusterState(self, request, context):
         return self.state()
 
     async def WatchCluster(self, request, context):
+        seen = self._publication.version
+        yield self.state()
         while True:
-            change = self._change
-            yield self.state()
-            await change.wait()
+            if self._publication.version == seen:
+                await self._published.wait()
+            publication = self._publication
+            # One update behind: the delta; further (this watcher was slow), or no deltas asked: all of it.
+            yield publication.delta if request.deltas and publication.version == seen + 1 else self.state()
+            seen = publication.version
