@@ -55,3 +55,14 @@ def test_a_donated_argument_no_output_can_take_stays_alive(both):
         return x, y
 
     both(program)
+
+
+def test_64_bit_values_keep_their_dtype(both):
+    def program(devices):
+        with jax.enable_x64(True):
+            x = jax.device_put(np.arange(4, dtype=np.float64) / 3, devices[0])
+            n = jax.jit(lambda v: v + 1)(jax.device_put(np.int64(2**40), devices[1]))
+            assert x.dtype == np.float64 and n.dtype == np.int64
+            return np.asarray(x), np.asarray(n), np.asarray(jax.numpy.linspace(0, 3, 5, dtype=np.float64))
+
+    both(program)

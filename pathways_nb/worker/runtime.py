@@ -236,18 +236,14 @@ class LocalRuntime:
 
     def put(self, host: np.ndarray, sharding: IfrtSharding):
         """A device array holding ``host`` (the global value), laid out by ``sharding``."""
-        import jax
-
-        return _device_errors(jax.device_put, host, self.jax_sharding(sharding))
+        return _exact_device_put(host, self.jax_sharding(sharding))
 
     def put_shards(self, shape: tuple[int, ...], sharding: IfrtSharding, shards: Sequence[np.ndarray]):
         """A device array from one host buffer per device of ``sharding`` (in its order)."""
-        import jax
-
         if len(shards) != len(sharding.device_ids):
             raise InvalidRequest(f"{len(shards)} shards given for {len(sharding.device_ids)} devices")
         singles = [
-            _device_errors(jax.device_put, shard, self.device(device_id))
+            _exact_device_put(shard, self.device(device_id))
             for shard, device_id in zip(shards, sharding.device_ids, strict=True)
         ]
         return self.assemble(shape, sharding, singles)
@@ -452,6 +448,14 @@ def _donated_parameters(executable) -> frozenset[int]:
     """
     module = schema.load().xla.HloModuleProto.FromString(executable.hlo_modules()[0].as_serialized_hlo_module_proto())
     return frozenset(entry.parameter_number for entry in module.input_output_alias.entries)
+
+
+def _exact_device_put(host: np.ndarray, target):
+    """``jax.device_put`` that keeps the client's dtype: without x64, jax would hold 64-bit values as 32-bit ones."""
+    import jax
+
+    with jax.enable_x64(True):
+        return _device_errors(jax.device_put, host, target)
 
 
 def _device_errors(function, *args, **kwargs):
