@@ -66,3 +66,9 @@ def test_64_bit_values_keep_their_dtype(both):
             return np.asarray(x), np.asarray(n), np.asarray(jax.numpy.linspace(0, 3, 5, dtype=np.float64))
 
     both(program)
+
+
+def test_a_program_without_results_on_several_devices(remote, local):
+    for devices in (remote, local):
+        with jax.set_mesh(Mesh(np.array(devices[:2]), ("x",))):
+            assert jax.jit(lambda: None)() is None

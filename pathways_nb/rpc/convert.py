@@ -86,8 +86,11 @@ def program_from_proto(proto: pb.CompiledProgram, device_ids: tuple[int, ...]) -
 def output_shardings(
     op_shardings: tuple[bytes, ...] | None, device_ids: tuple[int, ...], count: int
 ) -> tuple[IfrtSharding, ...]:
-    """Each result's sharding over ``device_ids`` from XLA's output OpShardings (read in pure Python)."""
-    if op_shardings is None or len(device_ids) == 1:
+    """Each result's sharding over ``device_ids`` from XLA's output OpShardings (read in pure Python).
+
+    XLA gives a program without results one OpSharding (of its empty result tuple): no result has it.
+    """
+    if op_shardings is None or len(device_ids) == 1 or count == 0:
         return tuple(IfrtSharding(device_ids) for _ in range(count))
     result = []
     for index, serialized in enumerate(op_shardings):
