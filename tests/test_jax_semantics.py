@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 from jax._src import core
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 X = np.arange(64, dtype=np.float32).reshape(8, 8) / 7
@@ -72,3 +72,16 @@ def test_a_program_without_results_on_several_devices(remote, local):
     for devices in (remote, local):
         with jax.set_mesh(Mesh(np.array(devices[:2]), ("x",))):
             assert jax.jit(lambda: None)() is None
+
+
+def test_an_unreduced_result_keeps_each_devices_partial_sum(both):
+    def program(devices):
+        mesh = Mesh(np.array(devices[:2]), ("x",), axis_types=(AxisType.Explicit,))
+        with jax.set_mesh(mesh):
+            x = jax.device_put(np.arange(8, dtype=np.float32), P("x"))
+            partial = jax.lax.reduce_sum(x, [0], out_sharding=P(unreduced={"x"}))
+            assert str(partial).startswith("Array(shape=(), dtype=float32, sharding=")
+            shards = [shard.data for shard in partial.addressable_shards]
+            return shards, jax.sharding.reshard(partial, P())
+
+    both(program)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
-from pathways_nb.protocol import dtypes
+from pathways_nb.protocol import dtypes, schema
 from pathways_nb.protocol.errors import RequestError
+from pathways_nb.protocol.op_sharding import REPLICATED, UNREDUCED
 from pathways_nb.protocol.op_sharding import read as read_op_sharding
 from pathways_nb.protocol.shardings import IfrtSharding
 from pathways_nb.rpc import cluster_pb2 as pb
@@ -95,8 +97,27 @@ def output_shardings(
     result = []
     for index, serialized in enumerate(op_shardings):
         try:
-            replicated = read_op_sharding(serialized, len(device_ids)).is_fully_replicated
+            held = _holding_unreduced(serialized)
+            replicated = read_op_sharding(held, len(device_ids)).is_fully_replicated
         except RequestError as e:
             raise type(e)(f"result {index} of the program: {e.message}") from e
-        result.append(IfrtSharding(device_ids, None, None if replicated else serialized))
+        result.append(IfrtSharding(device_ids, None, None if replicated else held))
     return tuple(result)
+
+
+def _holding_unreduced(serialized: bytes) -> bytes:
+    """The layout that holds a result with unreduced parts: each device keeps a full-size partial value.
+
+    Unreduced devices hold their partial sums as replicas hold copies (jax reads such an array only
+    shard by shard, and a later program takes the shards as they are); any other sharding is returned as it is.
+    """
+    try:
+        op = schema.load().xla.OpSharding.FromString(serialized)
+    except DecodeError:
+        return serialized  # read_op_sharding says what is wrong with it
+    if op.type == UNREDUCED:
+        return schema.load().xla.OpSharding(type=REPLICATED).SerializeToString()
+    if UNREDUCED not in op.last_tile_dims:
+        return serialized
+    op.last_tile_dims[:] = [REPLICATED if kind == UNREDUCED else kind for kind in op.last_tile_dims]
+    return op.SerializeToString()
