@@ -76,8 +76,29 @@ _BUILD_OPTIONS = frozenset(
 )
 
 
+def _names_a_server_file(option: str) -> bool:
+    """Whether an XLA option reads or writes files (dumps, caches, profiles) where it runs."""
+    return any(word in option for word in ("dump", "path", "file", "dir")) or option.endswith(("_to", "_from"))
+
+
+def _drop_server_file_options(options) -> None:
+    """Removes the options that would make XLA read or write files on the server for a client.
+
+    A client's ``XLA_FLAGS`` (``--xla_dump_to``, autotune caches, ...) travel in its compile options;
+    honoured here they would let one tenant write anywhere the server may. They are dropped, not
+    refused, so that a client that dumps its own compiles locally still compiles here.
+    """
+    debug = options.executable_build_options.debug_options
+    for descriptor, _value in debug.ListFields():
+        if _names_a_server_file(descriptor.name):
+            debug.ClearField(descriptor.name)
+    for name in [name for name in options.env_option_overrides if _names_a_server_file(name)]:
+        del options.env_option_overrides[name]
+
+
 def _check_options(options) -> None:
     """Refuses compile options this server does not serve, before XLA sees them."""
+    _drop_server_file_options(options)
     build = options.executable_build_options
     for message, allowed in ((options, _COMPILE_OPTIONS), (build, _BUILD_OPTIONS)):
         for descriptor, _value in message.ListFields():
