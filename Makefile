@@ -7,8 +7,15 @@ VENV := .venv
 BIN := $(VENV)/bin
 OLD_CLIENT_VENV := .venv-jax072
 OLD_CLIENT_JAX := 0.7.2
+# The compatibility matrix (tests/test_compat.py, docs/compatibility.md): a jax 0.9 client, and
+# jax 0.12 on Python 3.12 as both a client and the newest server (pathways-nb installed from here).
+JAX09_CLIENT_VENV := .venv-jax09
+JAX09_CLIENT_JAX := 0.9.2
+PY312_VENV := .venv-py312
+PY312_JAX := 0.12.0.1
+PYTHON312 ?= $(firstword $(wildcard /root/.pyenv/versions/3.12.1/bin/python) python3.12)
 
-.PHONY: quickstart test lint docs install chromium clean
+.PHONY: quickstart test lint docs install chromium clean compat-venvs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +27,17 @@ install: $(BIN)/python
 $(OLD_CLIENT_VENV)/bin/python:
 	$(PYTHON) -m venv $(OLD_CLIENT_VENV)
 	$(OLD_CLIENT_VENV)/bin/python -m pip install --quiet "jax==$(OLD_CLIENT_JAX)" "jaxlib==$(OLD_CLIENT_JAX)"
+
+$(JAX09_CLIENT_VENV)/bin/python:
+	$(PYTHON) -m venv $(JAX09_CLIENT_VENV)
+	$(JAX09_CLIENT_VENV)/bin/python -m pip install --quiet "jax==$(JAX09_CLIENT_JAX)" "jaxlib==$(JAX09_CLIENT_JAX)"
+
+# Rebuilt when pyproject.toml changes (its dependencies are installed there too).
+$(PY312_VENV)/bin/pathways-nb: pyproject.toml
+	$(PYTHON312) -m venv $(PY312_VENV)
+	$(PY312_VENV)/bin/python -m pip install --quiet -e . pytest pytest-timeout "jax==$(PY312_JAX)" "jaxlib==$(PY312_JAX)"
+
+compat-venvs: $(OLD_CLIENT_VENV)/bin/python $(JAX09_CLIENT_VENV)/bin/python $(PY312_VENV)/bin/pathways-nb
 
 quickstart: install
 	$(BIN)/python -m pathways_nb.quickstart
@@ -37,8 +55,11 @@ docs: install
 chromium:
 	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 
-test: install chromium $(OLD_CLIENT_VENV)/bin/python
-	PATHWAYS_OLD_CLIENT_PYTHON=$(abspath $(OLD_CLIENT_VENV))/bin/python $(BIN)/python -m pytest -q
+test: install chromium compat-venvs
+	PATHWAYS_OLD_CLIENT_PYTHON=$(abspath $(OLD_CLIENT_VENV))/bin/python \
+	PATHWAYS_JAX09_PYTHON=$(abspath $(JAX09_CLIENT_VENV))/bin/python \
+	PATHWAYS_PY312_PYTHON=$(abspath $(PY312_VENV))/bin/python \
+	$(BIN)/python -m pytest -q
 
 clean:
-	rm -rf $(VENV) $(OLD_CLIENT_VENV) *.egg-info
+	rm -rf $(VENV) $(OLD_CLIENT_VENV) $(JAX09_CLIENT_VENV) $(PY312_VENV) *.egg-info

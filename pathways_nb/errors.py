@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-SUPPORTED_JAXLIB = "0.10.2"
+# The jaxlib versions the servers run on (tests/test_compat.py runs both ends; docs/compatibility.md).
+SUPPORTED_JAXLIB = "0.10.2 to 0.12.0.1"
+SUPPORTED_RANGE = ">=0.10.2,<0.13"  # as pyproject.toml requires jax and jaxlib
 
 
 class PathwaysError(Exception):
@@ -17,8 +19,8 @@ class SchemaUnavailableError(PathwaysError):
         self.detail = detail
         super().__init__(
             f"cannot read the IFRT proxy wire schema from jaxlib {jaxlib_version}: {detail}. "
-            f"The pathways-nb server needs jaxlib=={SUPPORTED_JAXLIB} "
-            f"(pip install 'jaxlib=={SUPPORTED_JAXLIB}')."
+            f"The pathways-nb server runs on jaxlib {SUPPORTED_JAXLIB} "
+            f"(pip install 'jax{SUPPORTED_RANGE}' 'jaxlib{SUPPORTED_RANGE}')."
         )
 
 

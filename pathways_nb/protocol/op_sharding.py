@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from google.protobuf import message as protobuf_message
 from google.protobuf import unknown_fields
 
+from pathways_nb.errors import SUPPORTED_JAXLIB
 from pathways_nb.protocol import schema
 from pathways_nb.protocol.errors import InvalidRequest, Unimplemented
 
@@ -61,7 +62,8 @@ def newer_format(what: str) -> Unimplemented:
     version = server_jaxlib_version()
     return Unimplemented(
         f"this sharding uses a format newer than this server's jaxlib {version} ({what}); "
-        f"upgrade pathways-nb's server jaxlib or use a client jax <= {version}"
+        f"upgrade the server's jaxlib (pathways-nb's servers run on jaxlib {SUPPORTED_JAXLIB}) "
+        f"or use a client jax <= {version}"
     )
 
 

@@ -99,10 +99,19 @@ def _embedded_descriptors(path: str) -> Iterator[descriptor_pb2.FileDescriptorPr
 
 
 def jaxlib_library_path() -> str:
-    """The jaxlib shared library that carries the XLA descriptors."""
+    """The jaxlib shared library that carries the XLA descriptors.
+
+    ``libjax_common.so`` in jaxlib 0.10.2 to 0.12; should a jaxlib name it
+    otherwise, the largest of its shared libraries (the one XLA is linked into).
+    """
     import jaxlib
 
-    return os.path.join(os.path.dirname(jaxlib.__file__), "libjax_common.so")
+    directory = os.path.dirname(jaxlib.__file__)
+    common = os.path.join(directory, "libjax_common.so")
+    if os.path.exists(common):
+        return common
+    libraries = [os.path.join(directory, name) for name in os.listdir(directory) if name.endswith(".so")]
+    return max(libraries, key=os.path.getsize, default=common)
 
 
 def _jaxlib_version() -> str:

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# What stock clients send in GetVersion (measured): jaxlib 0.7.2 protocol 15-16 and
+# serialization 0-0, 0.9.0 16-22, 0.10.2 16-25 and 0-3, 0.12.0.1 16-25 and 2-6.
 # Protocol versions this server implements: 16 (executable device lists) to
-# 25 (the newest the pinned jaxlib 0.10.2 client speaks).
+# 25 (the newest that jaxlib 0.10.2's and 0.12.0.1's clients speak).
 PROTOCOL_MIN = 16
 PROTOCOL_MAX = 25
-# IFRT serialization versions (the version_number fields of the ifrt protos).
+# IFRT serialization versions (the version_number fields of the ifrt protos) this
+# server reads and writes; a 0.12 client (2-6) gets 3, as 0.10.2's client does.
 SERDES_MIN = 0
 SERDES_MAX = 3
 
@@ -23,7 +26,7 @@ EXECUTE_RESULT = 21  # fetch_execute_result replaces check_future for execute st
 DEVICE_PLATFORM_NAME = 22  # devices carry platform_name
 
 # Clients known to work (see docs/compatibility.md); shown in refusals.
-SUPPORTED_CLIENTS = "jax/jaxlib 0.7.2 to 0.10.2"
+SUPPORTED_CLIENTS = "jax/jaxlib 0.7.2 to 0.12.0.1"
 
 
 class VersionMismatch(Exception):

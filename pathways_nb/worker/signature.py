@@ -13,6 +13,7 @@ import threading
 import ml_dtypes
 import numpy as np
 
+from pathways_nb.compat import stablehlo as stablehlo_versions
 from pathways_nb.protocol.errors import InvalidRequest
 from pathways_nb.runtime_api import Aval, Signature
 
@@ -78,7 +79,7 @@ def read(program: bytes) -> Signature:
         try:
             module = stablehlo.deserialize_portable_artifact(context, program)
         except Exception as e:
-            raise InvalidRequest(f"the program is not a StableHLO portable artifact: {e}") from e
+            raise InvalidRequest(stablehlo_versions.unreadable(program, e)) from e
         for operation in module.body.operations:
             if (
                 operation.operation.name == "func.func"
