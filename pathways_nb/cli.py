@@ -81,7 +81,11 @@ def _serve_worker(args: argparse.Namespace) -> int:
     from pathways_nb.worker.server import WorkerServer
 
     started = time.monotonic()
-    island = IslandMembership(args.hosts_per_island, args.host_index, args.coordinator_address or "", args.host)
+    # The collectives between hosts use the address the others reach this host at (not a wildcard).
+    reachable = args.advertise_address or (None if args.host in ("0.0.0.0", "::", "[::]") else args.host)
+    island = IslandMembership(
+        args.hosts_per_island, args.host_index, args.coordinator_address or "", args.host, collectives_host=reachable
+    )
     island.check()
     runtime = LocalRuntime(args.platform, args.devices, island=island)
     server = WorkerServer(

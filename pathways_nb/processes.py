@@ -67,10 +67,24 @@ def exit_description(returncode: int | None) -> str:
 class ChildServer:
     """One ``pathways-nb`` server command running as a child process."""
 
-    def __init__(self, name: str, arguments: Sequence[str], env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        name: str,
+        arguments: Sequence[str],
+        env: dict[str, str] | None = None,
+        host: str = "127.0.0.1",
+        prefix: Sequence[str] = (),
+        cwd: str | None = None,
+    ):
+        """``host``: where it listens (its ``address``); ``prefix``: runs it through a launcher, e.g.
+        ``["ip", "netns", "exec", NAME]`` (one that execs, so the child's pid is the server's); ``cwd``: its
+        working directory."""
         self.name = name
         self.arguments = list(arguments)
         self.env = env
+        self.host = host
+        self.prefix = list(prefix)
+        self.cwd = cwd
         self.status = Status.created
         self.port: int | None = None
         self.process: subprocess.Popen | None = None
@@ -79,12 +93,12 @@ class ChildServer:
 
     @property
     def address(self) -> str:
-        """``grpc://127.0.0.1:PORT``."""
-        return f"grpc://127.0.0.1:{self.port}"
+        """``grpc://HOST:PORT``."""
+        return f"grpc://{self.hostport}"
 
     @property
     def hostport(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def start(self, timeout_s: float = 60.0) -> None:
         """Starts the child and waits until it listens; raises ``ServerStartError`` otherwise."""
@@ -100,6 +114,7 @@ class ChildServer:
         if os.path.exists(self._port_file):
             os.unlink(self._port_file)
         command = [
+            *self.prefix,
             sys.executable,
             "-m",
             "pathways_nb.cli",
@@ -112,7 +127,7 @@ class ChildServer:
         with open(self.log_path, "a") as log:
             # A new process session: Ctrl-C in a terminal reaches only us, and we stop the children.
             self.process = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=self.cwd
             )
 
     def wait_started(self, timeout_s: float = 60.0) -> None:

@@ -26,6 +26,9 @@ class IslandMembership:
     host_index: int
     coordinator_address: str  # host:port of host 0's coordination service
     bind_host: str = "127.0.0.1"  # where host 0 listens for it
+    # This host's address for the collectives between hosts (gloo's, on CPU); None: gloo's default, what
+    # this machine's hostname resolves to (127.0.0.1 on many machines, where no other host can reach it).
+    collectives_host: str | None = None
     timeout_s: int = 120
     heartbeat_timeout_s: int = 10
 
@@ -60,3 +63,28 @@ class IslandMembership:
             heartbeat_timeout_seconds=self.heartbeat_timeout_s,
             coordinator_bind_address=f"{self.bind_host}:{port}" if self.host_index == 0 else None,
         )
+        if platform in ("", "cpu") and self.collectives_host:
+            _gloo_on(self.collectives_host)
+
+
+def _gloo_on(host: str) -> None:
+    """Makes the CPU backend's gloo collectives listen on (and advertise) ``host``.
+
+    JAX offers no setting for it, so this registers the CPU backend again with gloo made for ``host``
+    (before the backend exists: ``join`` runs before the first use of the devices).
+    """
+    from functools import partial
+
+    from jax._src import distributed, xla_bridge
+    from jax._src.lib import _jax
+
+    try:
+        collectives = _jax.make_gloo_tcp_collectives(distributed_client=distributed.global_state.client, hostname=host)
+    except Exception as error:  # noqa: BLE001 - gloo raises bare runtime errors
+        raise ValueError(
+            f"the collectives between hosts cannot listen on {host} (--advertise_address, else --host): {error}; "
+            "pass an address or name of this machine that the island's other hosts reach"
+        ) from None
+    xla_bridge.register_backend_factory(
+        "cpu", partial(xla_bridge.make_cpu_client, collectives=collectives), priority=0, fail_quietly=False
+    )

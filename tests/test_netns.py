@@ -1,0 +1,360 @@
+"""A 2-host island whose hosts are really separate: each worker runs in its own network namespace.
+
+Two namespaces (``ip netns``) hang off one bridge in the root namespace, on a
+private subnet: the resource manager and the proxy listen on the bridge's
+address, each worker on its own namespace's address (``--host``, the same
+``--advertise_address``), host 0 serves the island's distributed runtime there
+too. 127.0.0.1 in a namespace is that namespace's own, so a component that
+leaned on loopback, on this machine's hostname or on a process of another host
+would fail here. The hosts share only the file system (the token file). A
+client in the root namespace runs SPMD programs across both hosts and compares
+them with local JAX on 4 CPU devices.
+
+Needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN) and ``ip`` (iproute2); skips with
+the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import psutil
+import pytest
+
+from pathways_nb import security
+from pathways_nb.processes import ChildServer
+from pathways_nb.rpc import cluster_pb2 as pb
+from pathways_nb.rpc import cluster_pb2_grpc
+from pathways_nb.testing import python_process
+
+HOSTS = 2
+DEVICES_PER_HOST = 2
+COORDINATOR_PORT = 29476  # any port: nothing else listens in a fresh namespace
+PREFIX = "pwnb-"
+
+
+def _ip(*args: str) -> None:
+    result = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    if result.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)} failed: {result.stderr.strip()}")
+
+
+@dataclass
+class Network:
+    """A bridge in the root namespace (``root_address``) and one namespace per host (``addresses``)."""
+
+    tag: str = field(default_factory=lambda: f"{os.getpid()}")
+    subnet: str = ""
+    namespaces: list[str] = field(default_factory=list)
+    links: list[str] = field(default_factory=list)
+
+    @property
+    def bridge(self) -> str:
+        return f"pw{self.tag}b"  # interface names have at most 15 characters
+
+    @property
+    def root_address(self) -> str:
+        return f"{self.subnet}.1"
+
+    def address(self, host: int) -> str:
+        return f"{self.subnet}.{host + 2}"
+
+    def create(self, hosts: int) -> None:
+        self.subnet = _free_subnet()
+        _ip("link", "add", self.bridge, "type", "bridge")
+        self.links.append(self.bridge)
+        _ip("addr", "add", f"{self.root_address}/24", "dev", self.bridge)
+        _ip("link", "set", self.bridge, "up")
+        for host in range(hosts):
+            namespace, outside, inside = f"{PREFIX}{self.tag}-h{host}", f"pw{self.tag}r{host}", f"pw{self.tag}n{host}"
+            _ip("netns", "add", namespace)
+            self.namespaces.append(namespace)
+            _ip("link", "add", outside, "type", "veth", "peer", "name", inside)
+            self.links.append(outside)
+            _ip("link", "set", inside, "netns", namespace)
+            _ip("link", "set", outside, "master", self.bridge)
+            _ip("link", "set", outside, "up")
+            _ip("-n", namespace, "addr", "add", f"{self.address(host)}/24", "dev", inside)
+            _ip("-n", namespace, "link", "set", inside, "up")
+            _ip("-n", namespace, "link", "set", "lo", "up")
+
+    def delete(self) -> None:
+        """Removes what ``create`` made (a veth pair goes with its namespace); never raises."""
+        for namespace in self.namespaces:
+            subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=30)
+        for link in reversed(self.links):
+            subprocess.run(["ip", "link", "del", link], capture_output=True, timeout=30)
+
+
+def _free_subnet() -> str:
+    """A 10.201.N subnet no interface of the root namespace is on (runs in parallel pick different ones)."""
+    used = subprocess.run(["ip", "-o", "-4", "addr"], capture_output=True, text=True, timeout=30).stdout
+    for n in [(os.getpid() + i) % 250 + 1 for i in range(250)]:
+        if f" 10.201.{n}." not in used:
+            return f"10.201.{n}"
+    raise RuntimeError("every 10.201.N.0/24 subnet is taken")
+
+
+def _remove_stale_namespaces() -> None:
+    """Namespaces of earlier runs that were killed before their teardown (their pid is gone)."""
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    for line in listing.splitlines():
+        name = line.split()[0] if line.split() else ""
+        tag = name.removeprefix(PREFIX).split("-")[0]
+        if name.startswith(PREFIX) and tag.isdigit() and not psutil.pid_exists(int(tag)):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+            subprocess.run(["ip", "link", "del", f"pw{tag}b"], capture_output=True, timeout=30)
+
+
+def _why_not() -> str | None:
+    """Why this machine cannot run the test, or None."""
+    if shutil.which("ip") is None:
+        return "`ip` (iproute2) is not installed: apt-get install iproute2 (make test does)"
+    if os.geteuid() != 0:
+        return "network namespaces need root (ip netns add); CI runs as root"
+    probe = f"{PREFIX}{os.getpid()}-probe"
+    result = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=30)
+    if result.returncode != 0:
+        return f"`ip netns add` failed (no CAP_SYS_ADMIN?): {result.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=30)
+    return None
+
+
+@pytest.fixture(scope="module")
+def network() -> Iterator[Network]:
+    reason = _why_not()
+    if reason:
+        pytest.skip(reason)
+    _remove_stale_namespaces()
+    network = Network()
+    try:
+        network.create(HOSTS)
+        yield network
+    finally:
+        network.delete()
+
+
+@dataclass
+class Cluster:
+    network: Network
+    token: str
+    resource_manager: ChildServer
+    workers: list[ChildServer]
+    proxy: ChildServer
+
+    @property
+    def children(self) -> list[ChildServer]:
+        return [self.resource_manager, *self.workers, self.proxy]
+
+    def state(self) -> pb.ClusterState:
+        credentials = security.ClusterCredentials(token=self.token)
+        with credentials.channel(self.resource_manager.hostport) as channel:
+            return cluster_pb2_grpc.ResourceManagerStub(channel).GetClusterState(pb.ClusterStateRequest(), timeout=10)
+
+
+def _environment(home: str | None = None) -> dict[str, str]:
+    """This process's environment without JAX settings or the token (the children read --token_file)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != security.TOKEN_ENV}
+    if home is not None:
+        env["HOME"] = env["TMPDIR"] = home
+    return env
+
+
+@pytest.fixture(scope="module")
+def cluster(network: Network) -> Iterator[Cluster]:
+    directory = tempfile.TemporaryDirectory(prefix="pathways-netns-")
+    token = security.generate_token()
+    token_file = os.path.join(directory.name, "token")
+    security.write_token_file(token_file, token)
+    root = network.root_address
+    credentials = ["--token_file", token_file]
+    children: list[ChildServer] = []
+    try:
+        rm = ChildServer(
+            "resource-manager",
+            [
+                "resource-manager",
+                "--server_port",
+                "0",
+                "--host",
+                root,
+                "--instance_count",
+                "1",
+                "--instance_type",
+                f"cpu:{HOSTS}x{DEVICES_PER_HOST}",
+                *credentials,
+            ],
+            env=_environment(),
+            host=root,
+        )
+        children.append(rm)
+        rm.start(60)
+        workers = []
+        for host in range(HOSTS):
+            home = os.path.join(directory.name, f"host{host}")
+            os.mkdir(home)
+            address = network.address(host)
+            worker = ChildServer(
+                f"worker-{host}",
+                [
+                    "worker",
+                    "--resource_manager_address",
+                    rm.hostport,
+                    "--server_port",
+                    "0",
+                    "--host",
+                    address,
+                    "--advertise_address",
+                    address,
+                    "--island",
+                    "0",
+                    "--host_index",
+                    str(host),
+                    "--hosts_per_island",
+                    str(HOSTS),
+                    "--coordinator_address",
+                    f"{network.address(0)}:{COORDINATOR_PORT}",
+                    "--devices",
+                    str(DEVICES_PER_HOST),
+                    "--platform",
+                    "cpu",
+                    *credentials,
+                ],
+                env=_environment(home),
+                host=address,
+                prefix=["ip", "netns", "exec", network.namespaces[host]],
+                cwd=home,
+            )
+            children.append(worker)
+            workers.append(worker)
+            worker.launch()
+        for worker in workers:
+            worker.wait_started(120)
+        proxy = ChildServer(
+            "proxy",
+            ["proxy", "--server_port", "0", "--host", root, "--resource_manager_address", rm.hostport, *credentials],
+            env=_environment(),
+            host=root,
+        )
+        children.append(proxy)
+        proxy.start(60)
+        yield Cluster(network, token, rm, workers, proxy)
+    finally:
+        pids = [child.process.pid for child in children if child.process is not None]
+        for child in reversed(children):
+            child.close()
+        directory.cleanup()
+        assert not [pid for pid in pids if psutil.pid_exists(pid)], "a cluster process outlived its teardown"
+
+
+SPMD = """
+    import json, sys, jax, jax.numpy as jnp, numpy as np, pathways_nb
+    from functools import partial
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.experimental.shard_map import shard_map
+    jax.config.update("jax_num_cpu_devices", 4)
+    pathways_nb.connect(sys.argv[1], token=sys.argv[2])
+    x = np.arange(64, dtype=np.float32).reshape(8, 8) % 13
+
+    def programs(devices):
+        mesh = Mesh(np.array(devices), ("x",))
+        rows = NamedSharding(mesh, P("x"))
+        a = jax.device_put(x, rows)
+        smap = partial(shard_map, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+        ring = [(i, (i + 1) % 4) for i in range(4)]
+        return {
+            "put_and_read": a,
+            "psum": jax.jit(smap(lambda v: jax.lax.psum(v, "x")))(a),
+            "ppermute": jax.jit(smap(lambda v: jax.lax.ppermute(v, "x", ring)))(a),
+            "sharded_reduction": jax.jit(lambda v: jnp.sum(v, axis=0) + jnp.max(v))(a),
+            "reshard": jax.device_put(a, NamedSharding(mesh, P(None, "x"))),
+        }
+
+    proxy = jax.devices("proxy")
+    remote = {k: np.asarray(v) for k, v in programs(proxy).items()}
+    local = {k: np.asarray(v) for k, v in programs(jax.devices("cpu")).items()}
+    report = {k: bool(np.array_equal(remote[k], local[k])) and remote[k].dtype == local[k].dtype for k in local}
+    report["hosts"] = sorted({d.host_index for d in proxy})
+    print(json.dumps(report))
+"""
+
+
+def test_spmd_programs_across_namespaced_hosts_equal_local_jax(cluster: Cluster):
+    client = python_process(SPMD, cluster.proxy.address, cluster.token)
+    try:
+        out, err = client.communicate(timeout=240)
+    finally:
+        client.kill()
+    assert client.returncode == 0, f"client failed:\n{out[-2000:]}\n{err[-4000:]}"
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report.pop("hosts") == [0, 1]
+    assert report == dict.fromkeys(report, True) and len(report) == 5, report
+
+
+CONNECTIONS = """
+    import json, psutil, sys
+    print(json.dumps([[c.laddr.ip, c.laddr.port, c.raddr.ip if c.raddr else "", c.raddr.port if c.raddr else 0,
+                       c.status] for c in psutil.Process(int(sys.argv[1])).net_connections(kind="inet")]))
+"""
+
+
+@dataclass(frozen=True)
+class Connection:
+    local: str
+    local_port: int
+    remote: str
+    remote_port: int
+    status: str
+
+
+def _connections(child: ChildServer) -> list[Connection]:
+    """A child's TCP sockets, seen from inside its namespace (psutil reads the caller's namespace's /proc/net)."""
+    seen = subprocess.run(
+        [*child.prefix, sys.executable, "-c", textwrap.dedent(CONNECTIONS), str(child.process.pid)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert seen.returncode == 0, seen.stderr
+    return [
+        Connection(_ipv4(local), local_port, _ipv4(remote), remote_port, status)
+        for local, local_port, remote, remote_port, status in json.loads(seen.stdout)
+    ]
+
+
+def _ipv4(text: str) -> str:
+    """An IPv4-mapped IPv6 address (gRPC listens on AF_INET6 sockets) as IPv4 text; others as they are."""
+    if not text:
+        return text
+    ip = ipaddress.ip_address(text)
+    return str(getattr(ip, "ipv4_mapped", None) or ip)
+
+
+def test_no_component_listens_or_talks_on_loopback(cluster: Cluster):
+    """Runs after the SPMD test: the hosts' collectives (gloo) and their peer calls have connected too."""
+    network = cluster.network
+    state = cluster.state()
+    workers = [f"{network.address(h)}:{cluster.workers[h].port}" for h in range(HOSTS)]
+    assert sorted(w.address for w in state.workers) == workers
+    assert all(w.healthy for w in state.workers) and len(state.devices) == HOSTS * DEVICES_PER_HOST
+    for child in cluster.children:
+        connections = _connections(child)
+        assert {c.local for c in connections if c.status == psutil.CONN_LISTEN} == {child.host}, (child, connections)
+        looped = [
+            c for c in connections if security.is_loopback(c.local) or (c.remote and security.is_loopback(c.remote))
+        ]
+        assert not looped, (child, looped)
+    # Host 1 reaches host 0's distributed runtime at host 0's own address, from its own.
+    to_coordinator = [c for c in _connections(cluster.workers[1]) if c.remote_port == COORDINATOR_PORT]
+    assert to_coordinator and {(c.local, c.remote) for c in to_coordinator} == {
+        (network.address(1), network.address(0))
+    }
