@@ -13,6 +13,7 @@ import pytest
 from pathways_nb.rm.allocator import Allocator, Unsatisfiable
 from pathways_nb.rm.registry import Registry
 from pathways_nb.rm.server import ResourceManagerServer
+from pathways_nb.rm.service import ResourceManagerService
 from pathways_nb.rm.topology import Topology
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
@@ -239,6 +240,17 @@ def test_allocation_decisions_on_2048_devices_take_under_10_ms():
     assert len(set(d for t in allocator.granted.values() for d in t.devices)) == 2048
     timings.sort()
     assert timings[int(len(timings) * 0.99)] < 0.010, f"p99 {timings[int(len(timings) * 0.99)] * 1e3:.1f} ms"
+
+
+def test_big_clusters_hand_out_longer_heartbeat_intervals():
+    service = ResourceManagerService(Topology(512, "cpu", 1, 4), worker_timeout_s=3.0, heartbeat_interval_s=0.5)
+    assert service.worker_heartbeat_interval_s() == 0.5
+    for island in range(512):
+        service.registry.register(_request(island, port=20000 + island))
+        if island == 63:
+            assert service.worker_heartbeat_interval_s() == 0.5
+    # 512 workers at 256 heartbeats/s would be 2 s apart; a third of the timeout is the most.
+    assert service.worker_heartbeat_interval_s() == 1.0
 
 
 # -- what watchers receive -----------------------------------------------------------------

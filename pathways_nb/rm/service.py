@@ -42,9 +42,11 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
         worker_timeout_s: float = 3.0,
         heartbeat_interval_s: float = 0.5,
         publish_interval_s: float = 0.1,
+        max_heartbeats_per_s: float = 256.0,
     ):
         self.topology = topology
         self.heartbeat_interval_s = heartbeat_interval_s
+        self.max_heartbeats_per_s = max_heartbeats_per_s
         self.publish_interval_s = publish_interval_s
         self.registry = Registry(topology, worker_timeout_s)
         self.allocator = Allocator()
@@ -111,6 +113,12 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
                 )
                 self._changed()
 
+    def worker_heartbeat_interval_s(self) -> float:
+        """The interval handed to workers: the configured one, longer in big clusters (at most a third
+        of the timeout, so that a worker misses three before it is declared dead)."""
+        spread = len(self.registry.workers) / self.max_heartbeats_per_s
+        return max(self.heartbeat_interval_s, min(spread, self.registry.worker_timeout_s / 3))
+
     def _grant(self) -> None:
         if self.allocator.queue and self.allocator.grant(self.registry):
             self._changed()
@@ -135,14 +143,14 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
             worker_id=entry.worker_id,
             incarnation=entry.incarnation,
             device_ids=entry.device_ids,
-            heartbeat_interval_s=self.heartbeat_interval_s,
+            heartbeat_interval_s=self.worker_heartbeat_interval_s(),
         )
 
     async def Heartbeat(self, request, context):
         known, revived = self.registry.heartbeat(request.worker_id, request.incarnation)
         if revived:
             self._changed()
-        return pb.HeartbeatResponse(known=known)
+        return pb.HeartbeatResponse(known=known, heartbeat_interval_s=self.worker_heartbeat_interval_s())
 
     async def ReportWorkerExit(self, request, context):
         entry = self.registry.exited(request.island, request.host_index, request.pid, request.reason)

@@ -88,17 +88,21 @@ class WorkerServer:
                 time.sleep(0.2)
 
     def _heartbeat_forever(self) -> None:
-        while not self._stopped.wait(self.registration.heartbeat_interval_s):
+        interval_s = self.registration.heartbeat_interval_s
+        while not self._stopped.wait(interval_s):
             try:
-                known = self._rm.Heartbeat(
+                reply = self._rm.Heartbeat(
                     pb.HeartbeatRequest(
                         worker_id=self.registration.worker_id, incarnation=self.registration.incarnation
                     ),
                     timeout=5,
-                ).known
-                if not known:
+                )
+                # A growing cluster spreads heartbeats out: the resource manager says how far.
+                interval_s = reply.heartbeat_interval_s or self.registration.heartbeat_interval_s
+                if not reply.known:
                     _LOGGER.warning("the resource manager does not know this worker: registering again")
                     self.registration = self._register(timeout_s=float("inf"))
+                    interval_s = self.registration.heartbeat_interval_s
             except grpc.RpcError as error:
                 _LOGGER.warning("heartbeat failed (%s); retrying", error.code().name)
             except RuntimeError:
