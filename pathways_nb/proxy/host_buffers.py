@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 
 from pathways_nb.dataflow import Pending
-from pathways_nb.protocol.errors import DeadlineExceeded, InvalidRequest, NotFound, Unavailable
+from pathways_nb.protocol.errors import DeadlineExceeded, InvalidRequest, NotFound, RequestError, Unavailable
 from pathways_nb.proxy.context import Quota
 from pathways_nb.proxy.deadlines import Deadlines
 
@@ -31,6 +31,8 @@ class HostBuffers:
         # handle -> (bytes, how many bytes of the quota they hold)
         self._stored: dict[int, tuple[memoryview, int]] = {}
         self._waiting: dict[int, Pending] = {}
+        # Uploads that arrived but could not be kept (over the quota), until a request takes them.
+        self._failed: dict[int, RequestError] = {}
         self._closed_reason: str | None = None
 
     def reserve(self, nbytes: int, for_what: str) -> int:
@@ -62,12 +64,29 @@ class HostBuffers:
             self.quota.give(reserved)
             waiter.resolve(data)
 
+    def fail(self, handle: int, error: RequestError) -> None:
+        """The upload under ``handle`` cannot be kept: the request that takes it fails with ``error``.
+
+        The stock client drops its whole session when an upload RPC fails, so a problem of one
+        buffer (a quota) is reported through the array made from it instead.
+        """
+        with self._lock:
+            waiter = self._waiting.pop(handle, None)
+            if waiter is None:
+                self._failed[handle] = error
+        if waiter is not None:
+            waiter.fail(error)
+
     def take(self, handle: int) -> Pending:
         """The buffer under ``handle``, removed from the store, now or once it is uploaded."""
         pending = Pending()
         with self._lock:
             if self._closed_reason is not None:
                 pending.fail(Unavailable(self._closed_reason))
+                return pending
+            failed = self._failed.pop(handle, None)
+            if failed is not None:
+                pending.fail(failed)
                 return pending
             stored = self._stored.pop(handle, None)
             if stored is None:
@@ -105,6 +124,7 @@ class HostBuffers:
             self._closed_reason = reason
             waiting, self._waiting = self._waiting, {}
             stored, self._stored = self._stored, {}
+            self._failed.clear()
         self.quota.give(sum(reserved for _data, reserved in stored.values()))
         for pending in waiting.values():
             pending.fail(Unavailable(reason))

@@ -235,7 +235,12 @@ class IfrtProxyService:
             # Counted before a byte is allocated: a declared size over the quota is refused at once.
             reserved = session.host_buffers.reserve(size, f"the upload of host buffer {metadata.handle}")
         except RequestError as e:
-            await context.abort(_GRPC_CODES.get(e.code, grpc.StatusCode.INTERNAL), e.message)
+            # Not an error of the RPC (the stock client would drop its whole session): the bytes are
+            # read and dropped, and the array made from this buffer fails with the quota's message.
+            async for _chunk in request_iterator:
+                pass
+            session.host_buffers.fail(metadata.handle, e)
+            return self.messages.proxy.GrpcHostBufferStoreResponse()
         try:
             with self.context.activities.track(
                 "upload", f"{size >> 20} MiB to the server", session.tenant, size
