@@ -80,7 +80,7 @@ def _gloo_on(host: str) -> None:
 
     try:
         collectives = _jax.make_gloo_tcp_collectives(distributed_client=distributed.global_state.client, hostname=host)
-    except Exception as error:  # noqa: BLE001 - gloo raises bare runtime errors
+    except RuntimeError as error:  # gloo: "Unable to find address for HOST; bind(2) ... failed"
         raise ValueError(
             f"the collectives between hosts cannot listen on {host} (--advertise_address, else --host): {error}; "
             "pass an address or name of this machine that the island's other hosts reach"
