@@ -1,48 +1,187 @@
-"""An older JAX client (in its own virtual environment) runs programs on today's server."""
+"""Client x server matrix: stock JAX clients 0.7.2 to 0.12 run ordinary programs on jaxlib 0.10.2 and 0.12 servers.
+
+Each client is its own virtual environment (``make test`` builds them and passes
+their pythons in ``PATHWAYS_*_PYTHON``) and runs tests/compat_client.py, which
+needs no pathways-nb, from outside the checkout (whose egg-info would lend it our
+jax plugin). The servers: this process's jaxlib 0.10.2 (the shared ``proxy_server``
+and ``cluster`` fixtures) and jaxlib 0.12 on Python 3.12 (``pathways-nb proxy`` and
+``pathways-nb up`` started from that venv), one per (server, mode) for all clients.
+docs/compatibility.md shows the matrix.
+"""
 
 from __future__ import annotations
 
 import os
+import re
+import signal
 import subprocess
-import textwrap
+import sys
+import tempfile
+import time
+from pathlib import Path
 
-import numpy as np
+import jax
 import pytest
 
-OLD_CLIENT_PYTHON = os.environ.get("PATHWAYS_OLD_CLIENT_PYTHON")
+from pathways_nb.compat import stablehlo
+from pathways_nb.protocol.errors import InvalidRequest
+from pathways_nb.worker import signature
 
-SCRIPT = textwrap.dedent("""
-    import sys
-    import jax, numpy as np
-    from jax.extend.backend import ifrt_proxy, register_backend_factory
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    register_backend_factory("proxy", lambda: ifrt_proxy.get_client(sys.argv[1], ifrt_proxy.ClientConnectionOptions()))
-    jax.config.update("jax_platforms", "proxy")
-    devices = jax.devices()
-    sharding = NamedSharding(Mesh(np.array(devices), ("x",)), P("x"))
-    x = jax.device_put(np.arange(16, dtype=np.float32).reshape(4, 4), sharding)
-    y = jax.jit(lambda a: (a @ a.T).sum())(x)
-    print(jax.__version__, len(devices), float(y))
-""")
-
-
-@pytest.mark.skipif(
-    not OLD_CLIENT_PYTHON, reason="set PATHWAYS_OLD_CLIENT_PYTHON to a Python with an older jax (make test does)"
+CLIENT_PROGRAM = Path(__file__).with_name("compat_client.py")
+PY312 = os.environ.get("PATHWAYS_PY312_PYTHON")
+MAKE_HINT = "make test builds it (make compat-venvs)"
+# Client jax version -> the Python that has it (None: not built here).
+CLIENTS = {
+    "0.7.2": os.environ.get("PATHWAYS_OLD_CLIENT_PYTHON"),
+    "0.9.2": os.environ.get("PATHWAYS_JAX09_PYTHON"),
+    jax.__version__: sys.executable,
+    "0.12.0.1": PY312,
+}
+SERVERS = {jax.__version__: sys.executable, "0.12.0.1": PY312}
+MODES = ("proxy", "cluster")
+PROGRAMS = (
+    "jit multiple_outputs scan grad sharded_put_1d sharded_put_2d sharded_jit_reduction donation bf16 "
+    "device_to_device random read_back".split()
 )
-def test_older_jax_client(proxy_server, tmp_path):
+
+
+def _env() -> dict[str, str]:
     env = dict(os.environ, IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS="true")
-    env.pop("JAX_PLATFORMS", None)
+    for name in ("JAX_PLATFORMS", "JAX_BACKEND_TARGET"):
+        env.pop(name, None)
+    return env
+
+
+class _Py312Server:
+    """``pathways-nb proxy`` or ``pathways-nb up`` run by the jaxlib 0.12 venv; its address read from its output."""
+
+    def __init__(self, mode: str):
+        self.directory = tempfile.TemporaryDirectory(prefix=f"pathways-compat-{mode}-")
+        self.log_path = Path(self.directory.name) / "log"
+        if mode == "proxy":
+            port_file = Path(self.directory.name) / "port"
+            arguments = ["proxy", "--server_port", "0", "--devices", "4", "--port_file", str(port_file)]
+        else:
+            port_file = None
+            arguments = ["up", "--islands", "1", "--devices-per-host", "4", "--port", "0"]
+        with open(self.log_path, "w") as log:
+            self.process = subprocess.Popen(
+                [PY312, "-m", "pathways_nb.cli", *arguments],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=_env(),
+                cwd=self.directory.name,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the jaxlib 0.12 {mode} ended while starting:\n{self.log()[-3000:]}")
+            if port_file is not None and port_file.exists() and port_file.read_text().strip():
+                self.address = f"grpc://127.0.0.1:{port_file.read_text().strip()}"
+                return
+            found = re.search(r"cluster serving (grpc://\S+):", self.log())
+            if port_file is None and found:
+                self.address = found.group(1)
+                return
+            time.sleep(0.1)
+        self.close()
+        raise RuntimeError(f"the jaxlib 0.12 {mode} did not start within 120 s:\n{self.log()[-3000:]}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)  # `up` stops its children on SIGTERM
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self.directory.cleanup()
+
+
+@pytest.fixture(scope="module")
+def server_address(request):
+    """``server_address(version, mode)``: one server per (version, mode), started at first use, for every client."""
+    started: dict[tuple[str, str], _Py312Server] = {}
+
+    def address(version: str, mode: str) -> str:
+        if version == jax.__version__:
+            return request.getfixturevalue("proxy_server" if mode == "proxy" else "cluster").address
+        if (version, mode) not in started:
+            started[version, mode] = _Py312Server(mode)
+        return started[version, mode].address
+
+    yield address
+    for server in started.values():
+        server.close()
+
+
+def _needs(python: str | None, what: str) -> None:
+    if not python:
+        pytest.skip(f"no Python with {what}: {MAKE_HINT}")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("client", CLIENTS)
+@pytest.mark.parametrize("server", SERVERS)
+def test_client_runs_ordinary_programs(server, client, mode, server_address, tmp_path):
+    _needs(SERVERS[server], f"jaxlib {server} for the server")
+    _needs(CLIENTS[client], f"jax {client} for the client")
     result = subprocess.run(
-        # Run outside the checkout, whose pathways_nb.egg-info would lend the old client our plugin.
-        [OLD_CLIENT_PYTHON, "-c", SCRIPT, proxy_server.address],
-        env=env,
+        [CLIENTS[client], str(CLIENT_PROGRAM), server_address(server, mode)],
+        env=_env(),
         capture_output=True,
         text=True,
         timeout=300,
         cwd=tmp_path,
     )
+    lines = result.stdout.splitlines()
+    assert lines and lines[0].startswith(f"CLIENT jax {client} "), (result.stdout, result.stderr[-3000:])
+    outcomes = dict(line.split(" ", 1)[::-1] for line in lines[1:] if line.startswith("PASS "))
+    failures = [line for line in lines if line.startswith("FAIL ")]
+    assert not failures, failures
+    assert list(outcomes) == PROGRAMS and lines[-1] == "DONE", (result.stdout, result.stderr[-3000:])
     assert result.returncode == 0, result.stderr[-3000:]
-    version, devices, total = result.stdout.split()
-    assert version != "0.10.2"
-    x = np.arange(16, dtype=np.float32).reshape(4, 4)
-    assert (int(devices), float(total)) == (4, float((x @ x.T).sum()))
+
+
+def test_named_shardings_match_jax_0_12():
+    """The named-sharding reader against jax 0.12's own NamedSharding, in the Python 3.12 venv."""
+    _needs(PY312, "jax 0.12")
+    tests = Path(__file__).parent
+    result = subprocess.run(
+        [PY312, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests / "test_named_op_sharding.py")],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tests.parent,
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert re.search(r"\b11 passed\b", result.stdout), result.stdout[-3000:]
+
+
+def _artifact() -> bytes:
+    """A StableHLO portable artifact of a small program, as this jaxlib writes one."""
+    from jaxlib.mlir.dialects import stablehlo as mlir_stablehlo
+
+    text = jax.jit(lambda a: a + 1).lower(jax.ShapeDtypeStruct((3,), "float32")).as_text()
+    return mlir_stablehlo.serialize_portable_artifact_str(text, mlir_stablehlo.get_current_version())
+
+
+def test_a_program_from_a_newer_stablehlo_is_refused_with_both_versions():
+    program = _artifact()
+    assert signature.read(program).args[0].shape == (3,)
+    current = ".".join(map(str, stablehlo.server_version()))
+    assert stablehlo.artifact_version(program) == stablehlo.server_version()
+    # What this jaxlib cannot parse, from a writer that says it targeted a newer StableHLO.
+    newer = program.replace(current.encode(), f"{int(current.split('.')[0]) + 1}.0.0".encode(), 1)
+    broken = newer[: len(newer) // 2]
+    with pytest.raises(
+        InvalidRequest, match=f"newer than this server's jaxlib {jax.__version__} reads .*Upgrade the server"
+    ):
+        signature.read(broken)
+    with pytest.raises(InvalidRequest, match="not a StableHLO portable artifact"):
+        signature.read(program[: len(program) // 2])
