@@ -4,7 +4,7 @@ Run as a script by a Python that has some jax (0.7.2 and newer) and no pathways-
 ``python compat_client.py ADDRESS``. It registers the ``proxy`` backend as
 pathwaysutils does, runs each program on the server's first 4 devices, checks the
 result against numpy and prints one line per program as it finishes
-(``PASS name`` or ``FAIL name: error``), then ``DONE``. A client that aborts
+(``PASS name seconds`` or ``FAIL name: error``), then ``DONE``. A client that aborts
 (a CHECK in its C++) stops printing, so the last line names the program that
 killed it. It imports only jax and numpy: newer and older clients run it alike.
 """
@@ -12,6 +12,7 @@ killed it. It imports only jax and numpy: newer and older clients run it alike.
 from __future__ import annotations
 
 import sys
+import time
 import traceback
 
 import jax
@@ -166,6 +167,7 @@ def main(address: str) -> int:
     print(f"CLIENT jax {jax.__version__} devices {len(jax.devices())}", flush=True)
     failed = 0
     for program in PROGRAMS:
+        started = time.monotonic()
         try:
             program(devices)
         except Exception as e:  # noqa: BLE001 - every program reports, whatever it raised
@@ -173,7 +175,7 @@ def main(address: str) -> int:
             detail = "".join(traceback.format_exception_only(type(e), e)).strip().replace("\n", " | ")
             print(f"FAIL {program.__name__}: {detail[:2000]}", flush=True)
         else:
-            print(f"PASS {program.__name__}", flush=True)
+            print(f"PASS {program.__name__} {time.monotonic() - started:.2f}s", flush=True)
     print("DONE", flush=True)
     return 1 if failed else 0
 
