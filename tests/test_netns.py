@@ -50,7 +50,7 @@ def _ip(*args: str) -> None:
 
 @dataclass
 class Network:
-    """A bridge in the root namespace (``root_address``) and one namespace per host (``addresses``)."""
+    """A bridge in the root namespace (at ``root_address``) and a namespace per host (at ``address(host)``)."""
 
     tag: str = field(default_factory=lambda: f"{os.getpid()}")
     subnet: str = ""
@@ -179,23 +179,12 @@ def cluster(network: Network) -> Iterator[Cluster]:
     token_file = os.path.join(directory.name, "token")
     security.write_token_file(token_file, token)
     root = network.root_address
-    credentials = ["--token_file", token_file]
     children: list[ChildServer] = []
     try:
         rm = ChildServer(
             "resource-manager",
-            [
-                "resource-manager",
-                "--server_port",
-                "0",
-                "--host",
-                root,
-                "--instance_count",
-                "1",
-                "--instance_type",
-                f"cpu:{HOSTS}x{DEVICES_PER_HOST}",
-                *credentials,
-            ],
+            f"resource-manager --server_port 0 --host {root} --instance_count 1 "
+            f"--instance_type cpu:{HOSTS}x{DEVICES_PER_HOST} --token_file {token_file}".split(),
             env=_environment(),
             host=root,
         )
@@ -208,30 +197,10 @@ def cluster(network: Network) -> Iterator[Cluster]:
             address = network.address(host)
             worker = ChildServer(
                 f"worker-{host}",
-                [
-                    "worker",
-                    "--resource_manager_address",
-                    rm.hostport,
-                    "--server_port",
-                    "0",
-                    "--host",
-                    address,
-                    "--advertise_address",
-                    address,
-                    "--island",
-                    "0",
-                    "--host_index",
-                    str(host),
-                    "--hosts_per_island",
-                    str(HOSTS),
-                    "--coordinator_address",
-                    f"{network.address(0)}:{COORDINATOR_PORT}",
-                    "--devices",
-                    str(DEVICES_PER_HOST),
-                    "--platform",
-                    "cpu",
-                    *credentials,
-                ],
+                f"worker --resource_manager_address {rm.hostport} --server_port 0 --host {address} "
+                f"--advertise_address {address} --island 0 --host_index {host} --hosts_per_island {HOSTS} "
+                f"--coordinator_address {network.address(0)}:{COORDINATOR_PORT} --devices {DEVICES_PER_HOST} "
+                f"--platform cpu --token_file {token_file}".split(),
                 env=_environment(home),
                 host=address,
                 prefix=["ip", "netns", "exec", network.namespaces[host]],
@@ -244,7 +213,8 @@ def cluster(network: Network) -> Iterator[Cluster]:
             worker.wait_started(120)
         proxy = ChildServer(
             "proxy",
-            ["proxy", "--server_port", "0", "--host", root, "--resource_manager_address", rm.hostport, *credentials],
+            f"proxy --server_port 0 --host {root} --resource_manager_address {rm.hostport} "
+            f"--token_file {token_file}".split(),
             env=_environment(),
             host=root,
         )
@@ -253,6 +223,11 @@ def cluster(network: Network) -> Iterator[Cluster]:
         yield Cluster(network, token, rm, workers, proxy)
     finally:
         pids = [child.process.pid for child in children if child.process is not None]
+        # Stopped all at once: a host leaving the island's distributed runtime waits at exit for the others
+        # (stopped one by one, each but the last would wait out close()'s 10 s before its SIGKILL).
+        for child in children:
+            if child.alive():
+                child.process.terminate()
         for child in reversed(children):
             child.close()
         directory.cleanup()
