@@ -181,6 +181,7 @@ def connect(
     tenant: str | None = None,
     progress: bool = True,
     token: str | None = None,
+    weight: float = 1.0,
 ) -> Session:
     """Makes ``jax.devices()`` the devices of the cluster at ``address``.
 
@@ -188,7 +189,9 @@ def connect(
     default the session shares every device of the cluster with other
     tenants; ``exclusive=True`` waits until nobody else holds them (a progress
     bar says for whom it waits), ``num_devices`` and ``islands`` ask for part
-    of the cluster. ``token`` is the cluster token its views (the observe API)
+    of the cluster. ``weight`` is this tenant's share of busy devices against
+    the other tenants' (proportional share: weights 1 and 3 get a quarter and
+    three quarters of an island both saturate). ``token`` is the cluster token its views (the observe API)
     need; default: that of this process's ``LocalCluster`` at ``address``, else
     ``$PATHWAYS_CLUSTER_TOKEN``. Raises ``ConnectionFailed`` (JAX left on its previous
     devices) if the server does not answer, or the devices are not free,
@@ -208,6 +211,7 @@ def connect(
         islands=tuple(islands),
         timeout_s=timeout_s,
         secret=generate_token(),
+        weight=weight,
     )
     from pathways_nb import cluster
 

@@ -74,8 +74,11 @@ def make_client():
     os.environ.setdefault(INSECURE_ENV, "true")
     options = ifrt_proxy.ClientConnectionOptions()
     options.connection_timeout_in_seconds = max(1, round(connection_timeout_s()))
-    if session_options is not None:
-        options.initialization_data = session_options.to_initialization_data()
+    from pathways_nb.session_options import SessionOptions
+
+    requested = session_options if session_options is not None else SessionOptions.from_environment()
+    if requested is not None:
+        options.initialization_data = requested.to_initialization_data()
     # No on_disconnect callback: the client calls it from its destructor, which at interpreter
     # exit runs after Python can no longer be entered, and the process aborts.
     return ifrt_proxy.get_client(target, options)

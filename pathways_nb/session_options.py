@@ -12,14 +12,17 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
-TENANT, EXCLUSIVE, DEVICES, ISLANDS, TIMEOUT, SECRET = (
+TENANT, EXCLUSIVE, DEVICES, ISLANDS, TIMEOUT, SECRET, WEIGHT = (
     "pathways_tenant",
     "pathways_exclusive",
     "pathways_devices",
     "pathways_islands",
     "pathways_allocation_timeout_s",
     "pathways_session_secret",
+    "pathways_weight",
 )
+# For plain ``JAX_PLATFORMS=proxy`` programs, which never call ``pathways_nb.connect``.
+TENANT_ENV, WEIGHT_ENV = "PATHWAYS_TENANT", "PATHWAYS_WEIGHT"
 
 
 def default_tenant() -> str:
@@ -40,6 +43,12 @@ class SessionOptions:
     timeout_s: float = 60.0  # how long to wait for devices
     # Random per connection: proves to the proxy's EndSessions that a session is the caller's own.
     secret: str = field(default="", repr=False)
+    # The tenant's share of busy devices relative to other tenants (proportional share).
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.weight > 0:
+            raise ValueError(f"weight must be a positive number, got {self.weight!r}")
 
     def to_initialization_data(self) -> dict[str, bytes | bool | int]:
         return {
@@ -49,7 +58,19 @@ class SessionOptions:
             ISLANDS: ",".join(str(i) for i in self.islands).encode(),
             TIMEOUT: max(1, round(self.timeout_s)),
             SECRET: self.secret.encode(),
+            WEIGHT: repr(float(self.weight)).encode(),
         }
+
+    @classmethod
+    def from_environment(cls) -> SessionOptions | None:
+        """What a plain ``JAX_PLATFORMS=proxy`` process asks for (``PATHWAYS_TENANT``, ``PATHWAYS_WEIGHT``)."""
+        tenant, weight = os.environ.get(TENANT_ENV), os.environ.get(WEIGHT_ENV)
+        if not tenant and not weight:
+            return None
+        try:
+            return cls(tenant=tenant or default_tenant(), weight=float(weight or 1.0))
+        except ValueError as e:
+            raise ValueError(f"{WEIGHT_ENV} must be a positive number, got {weight!r}") from e
 
     @classmethod
     def from_attributes(
@@ -68,4 +89,5 @@ class SessionOptions:
             islands=tuple(int(i) for i in text(ISLANDS, "").split(",") if i.strip()),
             timeout_s=float(attributes.get(TIMEOUT, default_timeout_s)),
             secret=text(SECRET, ""),
+            weight=float(text(WEIGHT, "1.0")),
         )

@@ -1,6 +1,7 @@
 """The ``%pathways`` line magic: connect, look at the cluster, time the steps.
 
-    %pathways connect ADDRESS [--exclusive] [--devices N] [--only-islands 0,1] [--tenant T] [--timeout S] [--token T]
+    %pathways connect ADDRESS [--exclusive] [--devices N] [--only-islands 0,1] [--tenant T] [--weight W]
+                              [--timeout S] [--token T]
     %pathways connect local [--islands I] [--hosts-per-island H] [--devices-per-host D]
     %pathways disconnect | status | devices | islands | allocations | help
     %pathways timeline [--live] [--last N]
@@ -48,6 +49,9 @@ def _parser() -> _Parser:
     connect.add_argument("--devices", type=int, default=0, help="how many devices (default: all)")
     connect.add_argument("--only-islands", default="", help="which islands, e.g. 0,1 (default: any)")
     connect.add_argument("--tenant", default=None, help="your name in the allocation table")
+    connect.add_argument(
+        "--weight", type=float, default=1.0, help="your share of busy devices against other tenants' (default 1)"
+    )
     connect.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the server and devices")
     connect.add_argument("--token", default=None, help="the cluster token (default: $PATHWAYS_CLUSTER_TOKEN)")
     connect.add_argument("--islands", type=int, default=2, help="local: number of islands")
@@ -120,6 +124,7 @@ class PathwaysMagics(Magics):
                 islands=[int(i) for i in args.only_islands.split(",") if i.strip()],
                 tenant=args.tenant,
                 token=args.token,
+                weight=args.weight,
             )
         except (PathwaysError, ValueError) as error:
             if cluster is not None:

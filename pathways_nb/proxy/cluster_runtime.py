@@ -47,7 +47,7 @@ from pathways_nb.rpc import cluster_pb2_grpc
 from pathways_nb.rpc.convert import array_meta, program_from_proto
 from pathways_nb.runtime_api import DeviceDescription, ProgramInfo, check_assemble_parts
 from pathways_nb.security import ClusterCredentials
-from pathways_nb.session_options import SessionOptions
+from pathways_nb.session_options import SECRET, SessionOptions
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -142,12 +142,19 @@ class ClusterRuntime:
 
     def open_session(self, session_id: int, attributes: dict[str, Any], events: EventSink) -> ClusterSession:
         """Allocates devices for a session, waiting in the queue if the cluster is busy."""
-        request = _allocation_request(attributes, self.allocation_timeout_s, f"{self.key}-s{session_id}")
+        options = _session_options(attributes, self.allocation_timeout_s, f"{self.key}-s{session_id}")
+        request = pb.AllocateRequest(
+            tenant=options.tenant,
+            exclusive=options.exclusive,
+            num_devices=options.num_devices,
+            islands=options.islands,
+            timeout_s=options.timeout_s,
+        )
         lease = self.allocate(request)
         try:
             for update in lease:
                 if update.HasField("granted"):
-                    session = ClusterSession(self, session_id, update.granted, lease, events)
+                    session = ClusterSession(self, session_id, update.granted, lease, events, options)
                     self._sessions.add(session)
                     session.hold_lease(request)
                     return session
@@ -238,18 +245,12 @@ class ClusterRuntime:
         self._channel.close()
 
 
-def _allocation_request(attributes: dict[str, Any], default_timeout_s: float, default_tenant: str):
+def _session_options(attributes: dict[str, Any], default_timeout_s: float, default_tenant: str) -> SessionOptions:
     try:
-        options = SessionOptions.from_attributes(attributes, default_timeout_s, default_tenant)
+        return SessionOptions.from_attributes(attributes, default_timeout_s, default_tenant)
     except ValueError as e:
-        raise InvalidRequest(f"malformed allocation options {attributes}: {e}") from e
-    return pb.AllocateRequest(
-        tenant=options.tenant,
-        exclusive=options.exclusive,
-        num_devices=options.num_devices,
-        islands=options.islands,
-        timeout_s=options.timeout_s,
-    )
+        shown = {k: v for k, v in attributes.items() if k != SECRET}
+        raise InvalidRequest(f"malformed session options {shown}: {e}") from e
 
 
 def _rm_error(error: grpc.RpcError, address: str) -> RequestError:
@@ -266,8 +267,17 @@ def _rm_error(error: grpc.RpcError, address: str) -> RequestError:
 class ClusterSession:
     """One client session's devices in the cluster, and its streams to their workers."""
 
-    def __init__(self, cluster: ClusterRuntime, session_id: int, allocation: pb.Allocation, lease, events: EventSink):
+    def __init__(
+        self,
+        cluster: ClusterRuntime,
+        session_id: int,
+        allocation: pb.Allocation,
+        lease,
+        events: EventSink,
+        options: SessionOptions,
+    ):
         self.cluster = cluster
+        self.options = options
         self.events = events
         self.session_id = session_id
         self.allocation = allocation
@@ -602,6 +612,8 @@ class ClusterSession:
                     args=[a.array_id for a in args],
                     results=[r.array_id for r in results],
                     keep=sorted(keep),
+                    tenant=self.options.tenant,
+                    weight=self.options.weight,
                 )
             )
         )
@@ -632,6 +644,8 @@ class ClusterSession:
                 keep=sorted(keep),
                 gang=gang,
                 gang_peers=peers if host_index == 0 else (),
+                tenant=self.options.tenant,
+                weight=self.options.weight,
             )
             link.send(pb.Command(execute=execute))
         return [

@@ -109,6 +109,8 @@ class ResourceManagerServicer:
 
     def WatchCluster(self, request, context):
         """The cluster state now and after every change (workers joining, dying, allocations).
+        Changes are coalesced: at most one update per publish interval (100 ms), the same for every
+        watcher; with ClusterStateRequest.deltas, only what changed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -27,6 +27,7 @@ from pathways_nb.worker.gang import IslandOrder
 from pathways_nb.worker.programs import Programs
 from pathways_nb.worker.runtime import LocalRuntime
 from pathways_nb.worker.session import CHUNK_BYTES, WorkerSession
+from pathways_nb.worker.share import FairShare
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -93,6 +94,8 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
         self._peers_lock = threading.Lock()
         # The order of this host's island for programs that span its hosts (see worker.gang).
         self.island_order = IslandOrder()
+        # Busy devices shared between tenants by weight.
+        self.share = FairShare()
 
     def background(self, work: Callable[[], object], done: Callable[[object, RequestError | None], None]) -> None:
         def run() -> None:
@@ -122,6 +125,7 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
             replies.put_event,
             self.island_order,
             self.announce_step,
+            self.share,
         )
         self.sessions[key] = session
         _LOGGER.info("session %s opened", key)

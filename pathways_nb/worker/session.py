@@ -25,6 +25,7 @@ from pathways_nb.rpc.convert import sharding_from_proto
 from pathways_nb.worker.gang import IslandOrder
 from pathways_nb.worker.programs import Programs
 from pathways_nb.worker.runtime import LocalRuntime
+from pathways_nb.worker.share import FairShare
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ class WorkerSession:
         events: EventSink,
         order: IslandOrder | None = None,
         announce: Callable[[Sequence[str], str, int], None] | None = None,
+        share: FairShare | None = None,
     ):
         self.key = key
         self.runtime = runtime
@@ -68,6 +70,8 @@ class WorkerSession:
         self._order = order
         self._announce = announce
         self._gang_waiting: set[str] = set()
+        # Programs of one host's island are shared between tenants by weight (``worker.share``).
+        self._share = share
         self.lock = threading.RLock()
         self.arrays: dict[int, ArrayRecord] = {}
         self._uploads: dict[int, bytearray] = {}
@@ -177,12 +181,25 @@ class WorkerSession:
         results = [self._new(i) for i in command.results]
         keep = frozenset(command.keep)
 
-        def run() -> None:
-            values = self.runtime.execute(program, [a.value for a in args], keep, timed=self._events)
-            for record, value in zip(results, values, strict=True):
-                record.set(value)
+        def dispatch() -> list:
+            with self.lock:
+                if self.closed:
+                    return []
+                try:
+                    values = self.runtime.execute(program, [a.value for a in args], keep, timed=self._events)
+                except Exception as error:  # noqa: BLE001 - the results hold it
+                    for record in results:
+                        record.fail(as_request_error(error))
+                    return []
+                for record, value in zip(results, values, strict=True):
+                    record.set(value)
+                return values
 
-        self._derive(args, results, run)
+        if self._share is None:
+            self._derive(args, results, dispatch)
+        else:
+            tenant, weight = command.tenant or self.key, command.weight or 1.0
+            self._derive(args, results, lambda: self._share.submit(tenant, weight, dispatch))
 
     def _execute_in_island_order(self, command: pb.Execute) -> None:
         """This host's part of a program that spans the island: dispatched at its turn in the island's order.

@@ -1,0 +1,137 @@
+"""Proportional share of an island's devices between tenants, by weight, when they are saturated.
+
+While one tenant alone has programs for the devices, each is dispatched as
+soon as its arguments are there (JAX's asynchronous dispatch, unchanged).
+Once several tenants have programs pending, at most ``depth`` programs are in
+flight on the devices and the next one dispatched is the oldest program of
+the tenant with the least weighted device time (start-time fair queueing on
+measured device time: a tenant is charged ``busy seconds / weight`` when its
+program finishes). Over a busy minute each tenant's device time then follows
+its weight; a tenant that was idle does not bank credit (its virtual time is
+brought up to the least active one's when it returns).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+_LOGGER = logging.getLogger(__name__)
+
+# A dispatch function runs a program and returns its outputs (values with ``block_until_ready``).
+Dispatch = Callable[[], Sequence]
+
+
+@dataclass
+class _Tenant:
+    weight: float
+    virtual_s: float = 0.0
+    pending: collections.deque = None  # of Dispatch
+    in_flight: int = 0
+    busy_s: float = 0.0  # device time used so far
+
+    def __post_init__(self) -> None:
+        self.pending = collections.deque()
+
+
+class FairShare:
+    """Dispatches the programs of one island's devices in proportional share between tenants."""
+
+    def __init__(self, depth: int = 1):
+        self.depth = depth
+        self._lock = threading.Lock()
+        self._tenants: dict[str, _Tenant] = {}
+        self._in_flight = 0
+        self._last_end = 0.0
+        self._running: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._follow_forever, name="pathways-share", daemon=True)
+        self._thread.start()
+
+    def submit(self, tenant: str, weight: float, dispatch: Dispatch) -> None:
+        """Runs ``dispatch`` now, or at its turn if the devices are shared and saturated."""
+        with self._lock:
+            entry = self._tenants.get(tenant)
+            if entry is None or (not entry.pending and not entry.in_flight):
+                entry = self._wake(tenant, weight, entry)
+            entry.weight = weight
+            if self._saturated(entry):
+                entry.pending.append(dispatch)
+                return
+            self._start(entry)
+        self._run(tenant, dispatch)
+
+    def device_seconds(self) -> dict[str, float]:
+        """Device time each tenant has used on these devices."""
+        with self._lock:
+            return {name: entry.busy_s for name, entry in self._tenants.items()}
+
+    # -- inside the lock -------------------------------------------------------------------
+
+    def _wake(self, tenant: str, weight: float, entry: _Tenant | None) -> _Tenant:
+        """A tenant with nothing pending (new, or back from idle) starts level with the active ones."""
+        active = [e.virtual_s for e in self._tenants.values() if e.pending or e.in_flight]
+        floor = min(active) if active else 0.0
+        if entry is None:
+            entry = self._tenants[tenant] = _Tenant(weight)
+        entry.virtual_s = max(entry.virtual_s, floor)
+        return entry
+
+    def _saturated(self, entry: _Tenant) -> bool:
+        others = any((e.pending or e.in_flight) for e in self._tenants.values() if e is not entry)
+        if not others:
+            return bool(entry.pending)  # alone: keep its own order, never wait for capacity
+        return bool(entry.pending) or self._in_flight >= self.depth
+
+    def _start(self, entry: _Tenant) -> None:
+        entry.in_flight += 1
+        self._in_flight += 1
+
+    def _next(self) -> tuple[str, Dispatch] | None:
+        """The oldest program of the tenant with the least weighted device time, if any may start."""
+        waiting = [(e.virtual_s, name) for name, e in self._tenants.items() if e.pending]
+        if not waiting or self._in_flight >= self.depth:
+            return None
+        _, name = min(waiting)
+        entry = self._tenants[name]
+        self._start(entry)
+        return name, entry.pending.popleft()
+
+    # -- running and finishing -------------------------------------------------------------
+
+    def _run(self, tenant: str, dispatch: Dispatch) -> None:
+        started = time.time()
+        try:
+            outputs = list(dispatch())
+        except Exception:
+            outputs = []
+            _LOGGER.debug("a program failed to dispatch", exc_info=True)
+        self._running.put((tenant, outputs, started))
+
+    def _follow_forever(self) -> None:
+        """Waits for each dispatched program's results in dispatch order, charges its tenant, starts the next."""
+        while True:
+            tenant, outputs, dispatched = self._running.get()
+            for output in outputs[:1]:
+                try:
+                    output.block_until_ready()
+                except Exception:  # noqa: BLE001 - a failed program used the devices too
+                    pass
+            end = time.time()
+            with self._lock:
+                busy = max(0.0, end - max(dispatched, self._last_end))
+                self._last_end = end
+                entry = self._tenants[tenant]
+                entry.busy_s += busy
+                entry.virtual_s += busy / entry.weight
+                entry.in_flight -= 1
+                self._in_flight -= 1
+                ready = []
+                while (chosen := self._next()) is not None:
+                    ready.append(chosen)
+            for name, dispatch in ready:
+                self._run(name, dispatch)
