@@ -10,7 +10,8 @@ from pathways_nb.testing import python_process
 
 BUSY = """
     import sys, time, jax, jax.numpy as jnp, numpy as np, pathways_nb
-    address, token, tenant, weight, seconds = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4]), float(sys.argv[5])
+    address, token, tenant = sys.argv[1:4]
+    weight, seconds = float(sys.argv[4]), float(sys.argv[5])
     pathways_nb.connect(address, token=token, tenant=tenant, weight=weight)
     device = jax.devices()[0]
     step = jax.jit(lambda a: jnp.tanh(a @ a) / 700)               # ~10 ms of device time
