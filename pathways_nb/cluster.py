@@ -187,6 +187,10 @@ class LocalCluster:
         self.status = Status.closing
         if self.supervisor is not None:
             self.supervisor.close()
+        # All asked to stop at once: a host of an island waits at exit for the island's other hosts.
+        for child in [self.proxy, *self.workers.values()]:
+            if child is not None and child.alive():
+                child.process.terminate()
         for child in [self.proxy, *self.workers.values(), self.resource_manager]:
             if child is not None:
                 child.close()

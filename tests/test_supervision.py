@@ -173,6 +173,18 @@ def test_resource_manager_restart_keeps_running_sessions(supervised):
     assert out.split() == ["4"], err[-3000:]
 
 
+def _workers_of(pid: int) -> list[psutil.Process]:
+    """The live worker processes among ``pid``'s children (a dead one may not be reaped yet)."""
+    workers = []
+    for child in psutil.Process(pid).children():
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE and "worker" in child.cmdline():
+                workers.append(child)
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):
+            continue
+    return workers
+
+
 def test_up_restarts_a_dead_worker_and_says_why():
     up = subprocess.Popen(
         [sys.executable, "-m", "pathways_nb.cli", "up", "--islands", "1", "--devices-per-host", "1", "--port", "0"],
@@ -182,16 +194,12 @@ def test_up_restarts_a_dead_worker_and_says_why():
     )
     try:
         assert up.stdout.readline().startswith("pathways-nb cluster serving")
-        workers = [c for c in psutil.Process(up.pid).children() if "worker" in c.cmdline()]
+        workers = _workers_of(up.pid)
         assert len(workers) == 1
         workers[0].send_signal(signal.SIGSEGV)
         deadline = time.monotonic() + 20
-        replaced = []
-        while not replaced:
+        while not [c for c in _workers_of(up.pid) if c.pid != workers[0].pid]:
             assert time.monotonic() < deadline
-            replaced = [
-                c for c in psutil.Process(up.pid).children() if "worker" in c.cmdline() and c.pid != workers[0].pid
-            ]
             time.sleep(0.1)
         assert not psutil.pid_exists(workers[0].pid) or psutil.Process(workers[0].pid).status() != "zombie"
     finally:
