@@ -42,6 +42,8 @@ NODE_POOL_LABEL = "cloud.google.com/gke-nodepool"
 PROXY_PORT = 29000
 RESOURCE_MANAGER_PORT = 29001
 WORKER_PORT = 29005
+# Host 0 of a multi-host island serves the island's JAX distributed runtime here.
+COORDINATOR_PORT = 29006
 TOKEN_DIRECTORY = "/var/run/pathways"
 TOKEN_KEY = "token"
 TOKEN_FILE = f"{TOKEN_DIRECTORY}/{TOKEN_KEY}"
@@ -193,6 +195,7 @@ def jobset(deployment: Deployment) -> dict[str, Any]:
             "--host_index=$(JOB_COMPLETION_INDEX)",
             f"--platform={accelerator.platform}",
             f"--devices={d.devices_per_host}",
+            *_island_flags(d),
         ],
         port=WORKER_PORT,
         requests=_worker_requests(d),
@@ -233,6 +236,14 @@ def _worker_requests(d: Deployment) -> dict[str, str]:
     if memory is None:  # the arrays live in the chips' memory
         return {"cpu": "8", "memory": "32Gi"}
     return {"cpu": str(d.devices_per_host), "memory": f"{memory}Gi"}
+
+
+def _island_flags(d: Deployment) -> list[str]:
+    """The flags that make the pods of a multi-host island one distributed runtime, led by its pod 0."""
+    if d.hosts_per_island == 1:
+        return []
+    coordinator = d.pod_address("worker", "$(ISLAND)", 0)
+    return [f"--hosts_per_island={d.hosts_per_island}", f"--coordinator_address={coordinator}:{COORDINATOR_PORT}"]
 
 
 def _session_device_bytes(d: Deployment) -> int:
