@@ -1,6 +1,7 @@
 # Two entry points, each doing its own set-up on a fresh machine:
 #   make quickstart   run the quickstart notebook on a local cluster (no cloud account)
-#   make test         run the test suite (installs what it needs: packages, an older JAX client, Chromium)
+#   make test         run the test suite (installs what it needs: packages, the compatibility matrix's JAX
+#                     clients and jax 0.12 server on Python 3.12, Chromium)
 
 PYTHON ?= python3
 VENV := .venv
