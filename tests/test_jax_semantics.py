@@ -11,6 +11,9 @@ from jax._src import core
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from pathways_nb.cluster import LocalCluster
+from pathways_nb.testing import python_process
+
 X = np.arange(64, dtype=np.float32).reshape(8, 8) / 7
 
 
@@ -85,3 +88,12 @@ def test_an_unreduced_result_keeps_each_devices_partial_sum(both):
             return shards, jax.sharding.reshard(partial, P())
 
     both(program)
+
+
+def test_devices_of_a_one_island_cluster_print_as_local_ones():
+    show = "import sys, jax, pathways_nb; pathways_nb.connect(sys.argv[1]); print(repr(jax.devices()[0]))"
+    with LocalCluster(islands=1, devices_per_host=2) as cluster:
+        client = python_process(show, cluster.address)
+        out, err = client.communicate(timeout=120)
+    assert client.returncode == 0, err[-3000:]
+    assert out.strip() == "CpuDevice(id=0)"

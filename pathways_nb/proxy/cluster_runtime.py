@@ -316,16 +316,20 @@ class ClusterSession:
 
     def describe_devices(self, device_ids: Sequence[int]) -> list[DeviceDescription]:
         descriptions = []
+        # As a TPU device names its slice only in a multi-slice job, a device names its island only
+        # where the cluster has several: on one island, devices print as local ones do.
+        several_islands = self.cluster.cluster_state().islands > 1
         for device_id in device_ids:
             device = self._device(device_id)
             device_class = _DEVICE_CLASS.get(device.platform, "Device")
+            island = f", slice_index={device.island}" if several_islands else ""
             descriptions.append(
                 DeviceDescription(
                     id=device.id,
                     platform=device.platform,
                     kind=device.kind,
                     debug_string=f"{device.platform}:{device.id}",
-                    to_string=f"{device_class}(id={device.id}, slice_index={device.island})",
+                    to_string=f"{device_class}(id={device.id}{island})",
                     local_hardware_id=device.local_hardware_id,
                     memory_kinds=tuple(device.memory_kinds),
                     attributes={
