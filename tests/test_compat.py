@@ -25,6 +25,7 @@ import pytest
 
 from pathways_nb.compat import stablehlo
 from pathways_nb.protocol.errors import InvalidRequest
+from pathways_nb.proxy import versions
 from pathways_nb.worker import signature
 
 CLIENT_PROGRAM = Path(__file__).with_name("compat_client.py")
@@ -161,6 +162,17 @@ def test_named_shardings_match_jax_0_12():
     )
     assert result.returncode == 0, result.stdout[-3000:]
     assert re.search(r"\b11 passed\b", result.stdout), result.stdout[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("offered", "chosen"),
+    # What each stock client sends in GetVersion (protocol min, max, serialization min, max), measured.
+    [((15, 16, 0, 0), (16, 0)), ((16, 25, 0, 3), (25, 3)), ((16, 25, 2, 6), (25, 3))],
+    ids=["0.7.2", "0.10.2", "0.12.0.1"],
+)
+def test_every_client_s_version_range_gets_one_inside_it(offered, chosen):
+    negotiated = versions.choose(*offered)
+    assert (negotiated.protocol_version, negotiated.serdes_version) == chosen
 
 
 def _artifact() -> bytes:
