@@ -66,3 +66,5 @@ def test_device_time_follows_the_weights_when_the_island_is_saturated():
     assert busy > 0.8, (busy, heavy, light)  # the island was saturated
     print(f"device time: heavy {heavy:.2f} s, light {light:.2f} s, ratio {heavy / light:.2f}, busy {busy:.2f}")
     assert 2.7 <= heavy / light <= 3.3, (heavy, light)
+    # The waits for a turn are on the timeline too.
+    assert any(e.kind == "wait" and e.name.endswith("waits its turn") for e in events["light"])

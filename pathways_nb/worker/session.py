@@ -180,20 +180,10 @@ class WorkerSession:
         args = [self._record(i) for i in command.args]
         results = [self._new(i) for i in command.results]
         keep = frozenset(command.keep)
+        arrived = time.time()
 
         def dispatch() -> list:
-            with self.lock:
-                if self.closed:
-                    return []
-                try:
-                    values = self.runtime.execute(program, [a.value for a in args], keep, timed=self._events)
-                except Exception as error:  # noqa: BLE001 - the results hold it
-                    for record in results:
-                        record.fail(as_request_error(error))
-                    return []
-                for record, value in zip(results, values, strict=True):
-                    record.set(value)
-                return values
+            return self._dispatch(program, args, results, keep, arrived)
 
         if self._share is None:
             self._derive(args, results, dispatch)
@@ -222,19 +212,10 @@ class WorkerSession:
             self._give_up_turn(key)
             raise
         keep = frozenset(command.keep)
+        arrived = time.time()
 
         def dispatch() -> None:
-            with self.lock:
-                if self.closed:
-                    return
-                try:
-                    values = self.runtime.execute(program, [a.value for a in args], keep, timed=self._events)
-                except Exception as error:  # noqa: BLE001 - the results hold it
-                    for record in results:
-                        record.fail(as_request_error(error))
-                    return
-                for record, value in zip(results, values, strict=True):
-                    record.set(value)
+            self._dispatch(program, args, results, keep, arrived)
 
         def take_turn() -> None:
             self._gang_waiting.discard(key)
@@ -245,6 +226,25 @@ class WorkerSession:
         except Exception:
             self._give_up_turn(key)
             raise
+
+    def _dispatch(self, program, args: Sequence[ArrayRecord], results: Sequence[ArrayRecord], keep, arrived) -> list:
+        """Runs a program now (its turn has come); the results hold its values or its error."""
+        with self.lock:
+            if self.closed:
+                return []
+            started = time.time()
+            if started - arrived > 0.001:
+                # Time it waited for its turn (the island's order, or busy devices shared by weight).
+                self._events(event("wait", f"{program.name} waits its turn", program.device_ids, arrived, started))
+            try:
+                values = self.runtime.execute(program, [a.value for a in args], keep, timed=self._events)
+            except Exception as error:  # noqa: BLE001 - the results hold it
+                for record in results:
+                    record.fail(as_request_error(error))
+                return []
+            for record, value in zip(results, values, strict=True):
+                record.set(value)
+            return values
 
     def _give_up_turn(self, key: str) -> None:
         if key in self._gang_waiting:
