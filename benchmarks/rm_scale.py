@@ -5,8 +5,9 @@
 Per row it starts ``pathways-nb resource-manager --instance_count N --instance_type cpu:1x4`` as a
 child process (with a cluster token), connects cluster watchers as a proxy does (``WatchCluster``,
 asking for deltas), then starts simulated workers: real gRPC clients, in two processes of asyncio
-tasks, that register all at once and heartbeat at the interval the resource manager hands out (and
-register again when it does not know them), as ``pathways_nb.worker.server`` does. Once all are
+tasks, that register all at once and heartbeat (on a stream; a call each with an older resource
+manager) at the interval it hands out, jittered, registering again when it does not know them, as
+``pathways_nb.worker.server`` does. Once all are
 registered it measures, over a window, the resource manager's CPU (its process's CPU time, apart
 from the simulator's), what watchers receive, and the latency of ``Allocate`` calls made meanwhile
 (call to grant; then the allocation is released). "False unhealthy" counts the workers that were
@@ -74,26 +75,46 @@ async def _simulate(address: str, token: str, islands: list[int], go, stop, resu
                     await asyncio.sleep(0.2)
 
         async def worker(island: int) -> None:
+            """As pathways_nb.worker.server: heartbeats on a stream renewed every 10 s (a call each, for a
+            resource manager without that stream), jittered, at the interval the resource manager asks for."""
             request = _register_request(island, 40000 + island)
             registration = await register(request)
             registered.append(time.time())
             interval_s = registration.heartbeat_interval_s
+            streaming = True
             while not stop.is_set():
-                await asyncio.sleep(interval_s)
-                started = time.monotonic()
+                stream = stub.Heartbeats(timeout=10, metadata=metadata) if streaming else None
                 try:
-                    beat = pb.HeartbeatRequest(worker_id=registration.worker_id, incarnation=registration.incarnation)
-                    reply = await stub.Heartbeat(beat, timeout=5, metadata=metadata)
-                except grpc.aio.AioRpcError:
-                    stats["failed"] += 1
-                    continue
-                stats["heartbeats"] += 1
-                stats["max_heartbeat_s"] = max(stats["max_heartbeat_s"], time.monotonic() - started)
-                interval_s = reply.heartbeat_interval_s or registration.heartbeat_interval_s  # as workers do
-                if not reply.known:
-                    stats["reregistered"] += 1
-                    registration = await register(request)
-                    interval_s = registration.heartbeat_interval_s
+                    while not stop.is_set():
+                        await asyncio.sleep(interval_s * random.uniform(0.8, 1.0))
+                        started = time.monotonic()
+                        beat = pb.HeartbeatRequest(
+                            worker_id=registration.worker_id, incarnation=registration.incarnation
+                        )
+                        if stream is None:
+                            reply = await stub.Heartbeat(beat, timeout=5, metadata=metadata)
+                        else:
+                            await stream.write(beat)
+                            reply = await stream.read()
+                            if reply is grpc.aio.EOF:
+                                break
+                        stats["heartbeats"] += 1
+                        stats["max_heartbeat_s"] = max(stats["max_heartbeat_s"], time.monotonic() - started)
+                        interval_s = reply.heartbeat_interval_s or registration.heartbeat_interval_s
+                        if not reply.known:
+                            stats["reregistered"] += 1
+                            registration = await register(request)
+                            interval_s = registration.heartbeat_interval_s
+                            break
+                except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as error:
+                    code = await stream.code() if stream is not None else error.code()
+                    if code == grpc.StatusCode.UNIMPLEMENTED:  # an older resource manager
+                        streaming = False
+                    elif code != grpc.StatusCode.DEADLINE_EXCEEDED:  # not a renewal
+                        stats["failed"] += 1
+                finally:
+                    if stream is not None:
+                        stream.cancel()
 
         registered: list[float] = []
         results.put(("ready", os.getpid()))
@@ -248,6 +269,7 @@ def run_row(hosts: int, window_s: float, watchers: int, processes: int, rm_pytho
             "watcher_msgs_s": watcher_messages / elapsed,
             "state_kb": state.ByteSize() / 1024,
             "allocate_p50_ms": _percentile(latencies, 0.5) * 1e3,
+            "allocate_p90_ms": _percentile(latencies, 0.9) * 1e3,
             "allocate_p99_ms": _percentile(latencies, 0.99) * 1e3,
             "allocations": len(latencies),
             "heartbeats_s": sum(s["heartbeats"] for s in stats) / (time.time() - started),
@@ -279,6 +301,7 @@ COLUMNS = [
     ("watcher_msgs_s", "watcher msgs/s", "{:.1f}"),
     ("state_kb", "ClusterState KB", "{:.0f}"),
     ("allocate_p50_ms", "Allocate p50 (ms)", "{:.1f}"),
+    ("allocate_p90_ms", "Allocate p90 (ms)", "{:.1f}"),
     ("allocate_p99_ms", "Allocate p99 (ms)", "{:.1f}"),
     ("interval_s", "heartbeat interval (s)", "{:.2f}"),
     ("heartbeats_s", "heartbeats/s", "{:.0f}"),

@@ -256,7 +256,7 @@ def test_big_clusters_hand_out_longer_heartbeat_intervals():
 # -- what watchers receive -----------------------------------------------------------------
 
 
-def test_watchers_get_the_whole_state_then_only_what_changed():
+def test_watchers_get_the_whole_state_then_only_what_changed_and_heartbeats_stream():
     credentials = ClusterCredentials(token=generate_token())
     server = ResourceManagerServer(Topology(3, "cpu", 1, 2), credentials=credentials)
     try:
@@ -285,6 +285,10 @@ def test_watchers_get_the_whole_state_then_only_what_changed():
                 ("island2-host0", False, "gone")
             ]
             assert [d.healthy for d in update.devices] == [False, False]
+            # Heartbeats as messages on one stream: a reply each, with the interval to keep.
+            beats = [pb.HeartbeatRequest(worker_id="island0-host0", incarnation=1000), pb.HeartbeatRequest()]
+            replies = list(stub.Heartbeats(iter(beats), timeout=10))
+            assert [(r.known, r.heartbeat_interval_s) for r in replies] == [(True, 0.5), (False, 0.5)]
             deltas.cancel()
             whole.cancel()
     finally:

@@ -146,11 +146,18 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
             heartbeat_interval_s=self.worker_heartbeat_interval_s(),
         )
 
-    async def Heartbeat(self, request, context):
+    def _heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
         known, revived = self.registry.heartbeat(request.worker_id, request.incarnation)
         if revived:
             self._changed()
         return pb.HeartbeatResponse(known=known, heartbeat_interval_s=self.worker_heartbeat_interval_s())
+
+    async def Heartbeat(self, request, context):
+        return self._heartbeat(request)
+
+    async def Heartbeats(self, request_iterator, context):
+        async for request in request_iterator:
+            yield self._heartbeat(request)
 
     async def ReportWorkerExit(self, request, context):
         entry = self.registry.exited(request.island, request.host_index, request.pid, request.reason)

@@ -46,6 +46,11 @@ class ResourceManagerStub:
                 request_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.Heartbeats = channel.stream_stream(
+                '/pathways_nb.v1.ResourceManager/Heartbeats',
+                request_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.HeartbeatResponse.FromString,
+                _registered_method=True)
         self.ReportWorkerExit = channel.unary_unary(
                 '/pathways_nb.v1.ResourceManager/ReportWorkerExit',
                 request_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.WorkerExitReport.SerializeToString,
@@ -82,6 +87,14 @@ class ResourceManagerServicer:
 
     def Heartbeat(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Heartbeats(self, request_iterator, context):
+        """The same, as messages on one stream that a worker keeps open: a message costs the resource
+        manager less than a call, which counts with thousands of workers. One reply per request.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -126,6 +139,11 @@ def add_ResourceManagerServicer_to_server(servicer, server):
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
+                    request_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.HeartbeatRequest.FromString,
+                    response_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'Heartbeats': grpc.stream_stream_rpc_method_handler(
+                    servicer.Heartbeats,
                     request_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.HeartbeatRequest.FromString,
                     response_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.HeartbeatResponse.SerializeToString,
             ),
@@ -204,6 +222,33 @@ class ResourceManager:
             request,
             target,
             '/pathways_nb.v1.ResourceManager/Heartbeat',
+            pathways__nb_dot_rpc_dot_cluster__pb2.HeartbeatRequest.SerializeToString,
+            pathways__nb_dot_rpc_dot_cluster__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeats(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pathways_nb.v1.ResourceManager/Heartbeats',
             pathways__nb_dot_rpc_dot_cluster__pb2.HeartbeatRequest.SerializeToString,
             pathways__nb_dot_rpc_dot_cluster__pb2.HeartbeatResponse.FromString,
             options,

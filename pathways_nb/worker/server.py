@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import secrets
 import socket
 import threading
@@ -24,6 +25,8 @@ from pathways_nb.worker.runtime import LocalRuntime
 from pathways_nb.worker.service import SERVICE_NAME, WorkerService, local_devices
 
 _LOGGER = logging.getLogger(__name__)
+
+_STREAM_RENEWAL_S = 10.0
 
 
 class WorkerServer:
@@ -88,25 +91,56 @@ class WorkerServer:
                 time.sleep(0.2)
 
     def _heartbeat_forever(self) -> None:
-        interval_s = self.registration.heartbeat_interval_s
-        while not self._stopped.wait(interval_s):
+        """Heartbeats as messages on one stream (cheaper for the resource manager than a call each);
+        one without that stream (an older version) gets a call per heartbeat."""
+        self._interval_s = self.registration.heartbeat_interval_s
+        streaming = True
+        while not self._stopped.is_set():
             try:
-                reply = self._rm.Heartbeat(
-                    pb.HeartbeatRequest(
-                        worker_id=self.registration.worker_id, incarnation=self.registration.incarnation
-                    ),
-                    timeout=5,
-                )
-                # A growing cluster spreads heartbeats out: the resource manager says how far.
-                interval_s = reply.heartbeat_interval_s or self.registration.heartbeat_interval_s
-                if not reply.known:
-                    _LOGGER.warning("the resource manager does not know this worker: registering again")
-                    self.registration = self._register(timeout_s=float("inf"))
-                    interval_s = self.registration.heartbeat_interval_s
+                if streaming:
+                    # Renewed every few seconds: a stream to a resource manager that vanished without a
+                    # word (its host gone) ends soon, as a call's timeout would end it.
+                    replies = self._rm.Heartbeats(self._beats(), timeout=_STREAM_RENEWAL_S)
+                    for reply in replies:
+                        if not self._answered(reply):
+                            replies.cancel()  # beats already sent named the old registration
+                            break
+                    else:
+                        self._stopped.wait(self._interval_s)  # the resource manager ended it: open another
+                elif not self._stopped.wait(self._jittered()):
+                    self._answered(self._rm.Heartbeat(self._beat(), timeout=5))
             except grpc.RpcError as error:
+                if error.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    continue  # ended here, or renewed
+                if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    streaming = False
+                    continue
                 _LOGGER.warning("heartbeat failed (%s); retrying", error.code().name)
+                self._stopped.wait(self._interval_s)
             except RuntimeError:
                 _LOGGER.exception("re-registration failed")
+
+    def _jittered(self) -> float:
+        # Jittered, so that workers started together do not heartbeat in lockstep bursts.
+        return self._interval_s * random.uniform(0.8, 1.0)
+
+    def _beat(self) -> pb.HeartbeatRequest:
+        return pb.HeartbeatRequest(worker_id=self.registration.worker_id, incarnation=self.registration.incarnation)
+
+    def _beats(self):
+        while not self._stopped.wait(self._jittered()):
+            yield self._beat()
+
+    def _answered(self, reply: pb.HeartbeatResponse) -> bool:
+        """Follows the interval the resource manager asks for; False if this worker had to register again."""
+        # A growing cluster spreads heartbeats out: the resource manager says how far.
+        self._interval_s = reply.heartbeat_interval_s or self.registration.heartbeat_interval_s
+        if reply.known:
+            return True
+        _LOGGER.warning("the resource manager does not know this worker: registering again")
+        self.registration = self._register(timeout_s=float("inf"))
+        self._interval_s = self.registration.heartbeat_interval_s
+        return False
 
     @property
     def address(self) -> str:
