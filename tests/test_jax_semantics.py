@@ -12,6 +12,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pathways_nb.cluster import LocalCluster
+from pathways_nb.protocol import op_sharding, schema
+from pathways_nb.rpc.convert import output_shardings
 from pathways_nb.testing import python_process
 
 X = np.arange(64, dtype=np.float32).reshape(8, 8) / 7
@@ -97,3 +99,27 @@ def test_devices_of_a_one_island_cluster_print_as_local_ones():
         out, err = client.communicate(timeout=120)
     assert client.returncode == 0, err[-3000:]
     assert out.strip() == "CpuDevice(id=0)"
+
+
+def test_unreduced_results_of_every_sharding_format_are_held_per_device():
+    """V1 (type UNREDUCED), V2 (an UNREDUCED subgroup) and V3 (named, as jaxlib >= 0.11 clients' programs get)."""
+    xla = schema.load().xla
+    v1 = xla.OpSharding(type=op_sharding.UNREDUCED)
+    v2 = xla.OpSharding(
+        type=op_sharding.OTHER,
+        tile_assignment_dimensions=[2, 2],
+        tile_assignment_devices=[0, 1, 2, 3],
+        last_tile_dims=[op_sharding.UNREDUCED],
+    )
+    v3 = xla.OpSharding(type=op_sharding.OTHER)
+    v3.named_sharding.mesh.axes.add(name="x", size=2)
+    v3.named_sharding.mesh.axes.add(name="y", size=2)
+    v3.named_sharding.dim_shardings.add().axes.add(mesh_axis_index=0)
+    v3.named_sharding.unreduced_axes.add(mesh_axis_index=1)
+    replicated, split_v2, split_v3 = output_shardings(
+        tuple(op.SerializeToString() for op in (v1, v2, v3)), (0, 1, 2, 3), 3
+    )
+    assert replicated.op_sharding is None
+    for split in (split_v2, split_v3):
+        assert split.shard_shape((8,)) == (4,)
+        assert split.shard_indices((8,)) == ((slice(0, 4),),) * 2 + ((slice(4, 8),),) * 2
