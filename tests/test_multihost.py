@@ -185,3 +185,23 @@ def test_a_dead_host_fails_its_island_clearly_and_the_island_forms_again(two_by_
     finally:
         client.kill()
         client.communicate()
+
+
+CHAIN = """
+    import json, sys, jax, numpy as np, pathways_nb
+    from functools import partial
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.experimental.shard_map import shard_map
+    pathways_nb.connect(sys.argv[1], token=sys.argv[2])
+    mesh = Mesh(np.array([d for d in jax.devices() if d.slice_index == 0]), ("x",))
+    step = jax.jit(partial(shard_map, mesh=mesh, in_specs=P("x"), out_specs=P("x"))(lambda v: jax.lax.psum(v, "x") / 4))
+    x = jax.device_put(np.ones((4, 8), np.float32), NamedSharding(mesh, P("x")))
+    for _ in range(600):                               # dispatched back to back, as a training loop does
+        x = step(x)
+    print(json.dumps({"value": float(np.asarray(x)[0, 0])}))
+"""
+
+
+def test_a_long_chain_of_collectives_dispatched_back_to_back_finishes(two_by_two):
+    """More than a couple of cross-host collectives in flight never finish on XLA's CPU runtime: workers bound them."""
+    assert _run(CHAIN, two_by_two.address, two_by_two.token, timeout_s=120) == {"value": 1.0}

@@ -260,12 +260,21 @@ def test_malformed_op_shardings_are_invalid_requests(serialized, num_devices, me
 def _named_op() -> bytes:
     """A named (V3) OpSharding as jaxlib >= 0.11 writes it: array dimension 0 split over mesh axis x of size 2.
 
-    jaxlib 0.10.2's ``HloSharding.from_proto`` reads it, then aborts the process when asked for its tiles.
+    jaxlib 0.10.2's ``HloSharding.from_proto`` reads it, then aborts the process when asked for its tiles;
+    op_sharding reads it in Python (tests/test_named_op_sharding.py).
     """
     named = MESSAGES.xla.NamedShardingProto()
     named.mesh.axes.add(name="x", size=2)
     named.dim_shardings.add().axes.add(mesh_axis_index=0)
     return OpSharding(type=op_sharding.OTHER, named_sharding=named).SerializeToString()
+
+
+def _newer_named_op() -> bytes:
+    """``_named_op()`` with a field this schema does not know (varint field 100), as a newer XLA may add one."""
+    named = OpSharding.FromString(_named_op()).named_sharding.SerializeToString() + b"\xa0\x06\x01"
+    return OpSharding(
+        type=op_sharding.OTHER, named_sharding=MESSAGES.xla.NamedShardingProto.FromString(named)
+    ).SerializeToString()
 
 
 UNSUPPORTED = [
@@ -278,7 +287,7 @@ UNSUPPORTED = [
         "MANUAL subgroup",
     ),
     # What a newer XLA may send: a type this schema does not name, an unknown subgroup type,
-    # a field this schema does not have (varint field 100), a named (V3) sharding.
+    # a field this schema does not have (varint field 100), in an OpSharding and in a named (V3) one.
     (OpSharding(type=17).SerializeToString(), 2, f"{NEWER}.*type 17"),
     (
         _tiled(tile_assignment_dimensions=[2, 2], iota_reshape_dims=[4], iota_transpose_perm=[0], last_tile_dims=[9]),
@@ -290,7 +299,7 @@ UNSUPPORTED = [
         2,
         NEWER,
     ),
-    (_named_op(), 2, f"{NEWER}.*named"),
+    (_newer_named_op(), 2, f"{NEWER}.*named sharding field 100"),
 ]
 
 
@@ -429,7 +438,7 @@ def test_the_worker_runtime_refuses_bad_shardings_before_xla_sees_them():
         "empty": "InvalidRequest a sharding over no devices",
         "empty tiled": "InvalidRequest a sharding over no devices",
         "count": "InvalidRequest an OpSharding for 4 devices (tiles [2, 2]) was sent with 2 devices",
-        "named": f"Unimplemented this sharding uses a format {NEWER}",
+        "named": "accepted",
         "memory": "InvalidRequest memory kind 'hbm' does not exist",
         "twice": "InvalidRequest a sharding lists a device twice",
         "unknown": "NotFound device 9 is not one of this server's devices",
@@ -462,7 +471,7 @@ def test_bad_shardings_through_the_server_are_refused_and_it_keeps_serving(backe
         cases = [
             (_empty_concrete_even(), grpc.StatusCode.INVALID_ARGUMENT, "ConcreteEvenSharding with no devices"),
             (_hlo_sharding(devices[:2], NEWER_OP), grpc.StatusCode.UNIMPLEMENTED, NEWER),
-            (_hlo_sharding(devices[:2], _named_op()), grpc.StatusCode.UNIMPLEMENTED, NEWER),
+            (_hlo_sharding(devices[:2], _newer_named_op()), grpc.StatusCode.UNIMPLEMENTED, NEWER),
         ]
         for handle, (proto, code, message) in enumerate(cases, start=100):
             wire.store_host_buffer(handle, np.zeros((2, 2), np.float32).tobytes())

@@ -214,8 +214,8 @@ class WorkerSession:
         keep = frozenset(command.keep)
         arrived = time.time()
 
-        def dispatch() -> None:
-            self._dispatch(program, args, results, keep, arrived)
+        def dispatch() -> list:
+            return self._dispatch(program, args, results, keep, arrived)
 
         def take_turn() -> None:
             self._gang_waiting.discard(key)
