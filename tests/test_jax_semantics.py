@@ -101,8 +101,8 @@ def test_devices_of_a_one_island_cluster_print_as_local_ones():
     assert out.strip() == "CpuDevice(id=0)"
 
 
-def test_unreduced_results_of_every_sharding_format_are_held_per_device():
-    """V1 (type UNREDUCED), V2 (an UNREDUCED subgroup) and V3 (named, as jaxlib >= 0.11 clients' programs get)."""
+def test_unreduced_results_of_both_plain_sharding_formats_are_held_per_device():
+    """V1 (type UNREDUCED) and V2 (an UNREDUCED subgroup): each device keeps a full-size partial value."""
     xla = schema.load().xla
     v1 = xla.OpSharding(type=op_sharding.UNREDUCED)
     v2 = xla.OpSharding(
@@ -111,15 +111,7 @@ def test_unreduced_results_of_every_sharding_format_are_held_per_device():
         tile_assignment_devices=[0, 1, 2, 3],
         last_tile_dims=[op_sharding.UNREDUCED],
     )
-    v3 = xla.OpSharding(type=op_sharding.OTHER)
-    v3.named_sharding.mesh.axes.add(name="x", size=2)
-    v3.named_sharding.mesh.axes.add(name="y", size=2)
-    v3.named_sharding.dim_shardings.add().axes.add(mesh_axis_index=0)
-    v3.named_sharding.unreduced_axes.add(mesh_axis_index=1)
-    replicated, split_v2, split_v3 = output_shardings(
-        tuple(op.SerializeToString() for op in (v1, v2, v3)), (0, 1, 2, 3), 3
-    )
+    replicated, split = output_shardings((v1.SerializeToString(), v2.SerializeToString()), (0, 1, 2, 3), 2)
     assert replicated.op_sharding is None
-    for split in (split_v2, split_v3):
-        assert split.shard_shape((8,)) == (4,)
-        assert split.shard_indices((8,)) == ((slice(0, 4),),) * 2 + ((slice(4, 8),),) * 2
+    assert split.shard_shape((8,)) == (4,)
+    assert split.shard_indices((8,)) == ((slice(0, 4),),) * 2 + ((slice(4, 8),),) * 2

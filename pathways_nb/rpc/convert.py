@@ -117,11 +117,6 @@ def _holding_unreduced(serialized: bytes) -> bytes:
         return serialized  # read_op_sharding says what is wrong with it
     if op.type == UNREDUCED:
         return schema.load().xla.OpSharding(type=REPLICATED).SerializeToString()
-    if op.HasField("named_sharding"):  # a named (V3) sharding: mesh axes used nowhere replicate
-        if not op.named_sharding.unreduced_axes:
-            return serialized
-        del op.named_sharding.unreduced_axes[:]
-        return op.SerializeToString()
     if UNREDUCED not in op.last_tile_dims:
         return serialized
     op.last_tile_dims[:] = [REPLICATED if kind == UNREDUCED else kind for kind in op.last_tile_dims]
