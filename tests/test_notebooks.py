@@ -93,7 +93,7 @@ def test_sharing_shows_tenants_the_queue_and_skips_weights(kernel_installed):
     table, island_map = _widget_html(notebook, handover)
     assert "carol" in table and "bob" not in table and "waiting" not in table
     assert "held by carol (exclusive)" in island_map
-    weights = _outputs(_cell(cells, 'dave = tenant('))
+    weights = _outputs(_cell(cells, "dave = tenant("))
     assert "dave: connected" in weights
 
 
