@@ -86,10 +86,25 @@ def when_all(pendings: Sequence[Pending], callback: Callable[[BaseException | No
         pending.on_done(one_done)
 
 
+# Guards the reader counts of every ArrayRecord (held only for a few operations at a time).
+_READS = threading.Lock()
+
+
 class ArrayRecord:
     """An array of a session: metadata now, device value or error when known."""
 
-    __slots__ = ("_pending", "_release", "deleted", "error", "kind", "shape", "sharding", "value")
+    __slots__ = (
+        "_delete_after_reads",
+        "_pending",
+        "_readers",
+        "_release",
+        "deleted",
+        "error",
+        "kind",
+        "shape",
+        "sharding",
+        "value",
+    )
 
     def __init__(self, kind: int, shape: tuple[int, ...], sharding: IfrtSharding | None, value=None):
         self.kind = kind
@@ -101,6 +116,10 @@ class ArrayRecord:
         self._pending: Pending | None = None if value is not None else Pending()
         # Gives the array's bytes back to its session's quota; called once, when the memory is no longer held.
         self._release: Callable[[], None] | None = None
+        # Reads of the value under way on other threads: a deletion waits for them (deleting a buffer
+        # that a host view still references is a CHECK failure in XLA, which aborts the process).
+        self._readers = 0
+        self._delete_after_reads = False
 
     @classmethod
     def failed(
@@ -158,6 +177,10 @@ class ArrayRecord:
         self.free()
         if self.ready:
             if self.value is not None:
+                with _READS:
+                    if self._readers:
+                        self._delete_after_reads = True
+                        return
                 self.value.delete()
         else:
             self.pending.on_done(lambda value, _error: value is not None and value.delete())
@@ -176,7 +199,9 @@ class ArrayRecord:
 
     def read(self, read: Callable[[Any], Any]) -> Any:
         """``read(value)`` off the request stream: a deletion that races it is FAILED_PRECONDITION, not a crash."""
-        value = self.live()
+        with _READS:
+            value = self.live()
+            self._readers += 1
         try:
             return read(value)
         except RuntimeError as error:  # jax: "Array has been deleted"
@@ -185,6 +210,12 @@ class ArrayRecord:
                     f"a {list(self.shape)} array was deleted (or donated to a program) while it was being read"
                 ) from error
             raise
+        finally:
+            with _READS:
+                self._readers -= 1
+                deferred = self._delete_after_reads and not self._readers
+            if deferred:
+                value.delete()
 
 
 def run_after(

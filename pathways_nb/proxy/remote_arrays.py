@@ -48,36 +48,8 @@ class RemoteArray:
             pass
 
 
-class ShardedRemoteArray:
-    """An array whose shards live on several workers: one single-device array per device."""
-
-    __slots__ = ("parts", "shape", "sharding")
-
-    def __init__(self, parts: Sequence[RemoteArray], shape: tuple[int, ...], sharding: IfrtSharding):
-        self.parts = list(parts)
-        self.shape = shape
-        self.sharding = sharding
-
-    def delete(self) -> None:
-        for part in self.parts:
-            part.delete()
-
-    def is_deleted(self) -> bool:
-        return any(part.is_deleted() for part in self.parts)
-
-    def block_until_ready(self) -> ShardedRemoteArray:
-        for part in self.parts:
-            part.block_until_ready()
-        return self
-
-
-class MultiHostArray:
-    """An array of an island of several hosts: each host holds its part of one island-wide array.
-
-    Every part has the array's global shape and sharding; a host's part holds the shards of that
-    host's devices, as a multi-process ``jax.Array`` does. Programs of the island take and make
-    such arrays, one part per host, in host order.
-    """
+class _PartedArray:
+    """An array held as several remote arrays (its parts), deleted and waited for together."""
 
     __slots__ = ("parts", "shape", "sharding")
 
@@ -97,7 +69,24 @@ class MultiHostArray:
     def is_deleted(self) -> bool:
         return any(part.is_deleted() for part in self.parts)
 
-    def block_until_ready(self) -> MultiHostArray:
+    def block_until_ready(self):
         for part in self.parts:
             part.block_until_ready()
         return self
+
+
+class ShardedRemoteArray(_PartedArray):
+    """An array whose shards live on several workers: one single-device array per device."""
+
+    __slots__ = ()
+
+
+class MultiHostArray(_PartedArray):
+    """An array of an island of several hosts: each host holds its part of one island-wide array.
+
+    Every part has the array's global shape and sharding; a host's part holds the shards of that
+    host's devices, as a multi-process ``jax.Array`` does. Programs of the island take and make
+    such arrays, one part per host, in host order.
+    """
+
+    __slots__ = ()

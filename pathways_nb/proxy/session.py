@@ -287,7 +287,7 @@ class Session:
         self.host_buffers.close(reason)
         for record in arrays.values():
             if record.value is not None and not record.value.is_deleted():
-                record.value.delete()
+                record.delete()  # after any read of it under way on another thread
         del futures, arrays
         if self._devices is not None:
             self._devices.release()

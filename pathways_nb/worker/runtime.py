@@ -286,8 +286,12 @@ class LocalRuntime:
         return _device_errors(jax.device_put, array, self.jax_sharding(sharding), may_alias=False)
 
     def to_host(self, array) -> np.ndarray:
-        """The global value of ``array`` on the host; waits for the device."""
-        return np.asarray(array)
+        """The global value of ``array`` on the host, in memory of its own; waits for the device.
+
+        A copy: on CPU ``np.asarray`` would be a view of the device buffer, and deleting the array
+        while such a view lives (a download still being sent) is a CHECK failure in XLA.
+        """
+        return np.array(array)
 
     # -- programs --------------------------------------------------------------------------
 

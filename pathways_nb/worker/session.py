@@ -254,7 +254,9 @@ class WorkerSession:
     def _fetch(self, command: pb.Fetch) -> None:
         record = self._record(command.id)
         self._answer_when_ready(
-            [record], command.request, lambda: self._send_bytes(command.request, record.read(self.runtime.to_host))
+            [record],
+            command.request,
+            lambda: record.read(lambda value: self._send_bytes(command.request, self.runtime.to_host(value))),
         )
 
     def _send_bytes(self, request: int, host: np.ndarray) -> None:
@@ -396,5 +398,5 @@ class WorkerSession:
             self._uploads.clear()
         for record in arrays.values():
             if record.value is not None and not record.value.is_deleted():
-                record.value.delete()
+                record.delete()  # after any read of it under way on another thread
         release_free_memory()
