@@ -137,7 +137,7 @@ def test_clients_of_two_proxies_interleave_collectives_without_deadlock(two_by_t
 
 
 KILLED_HOST = """
-    import json, sys, jax, jax.numpy as jnp, numpy as np, pathways_nb
+    import json, sys, time, jax, jax.numpy as jnp, numpy as np, pathways_nb
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     pathways_nb.connect(sys.argv[1], token=sys.argv[2])
     island1 = [d for d in jax.devices("proxy") if d.slice_index == 1]
@@ -154,8 +154,13 @@ KILLED_HOST = """
     print(json.dumps(attempt(island1)), flush=True)
     sys.stdin.readline()                              # the test kills island 1's host 1
     print(json.dumps({"island1": attempt(island1), "island0": attempt(island0)}), flush=True)
-    sys.stdin.readline()                              # the island has formed again
-    print(json.dumps(attempt(island1)), flush=True)
+    sys.stdin.readline()                              # the resource manager shows the island formed again
+    for _ in range(20):                               # the proxy hears of it within its watch's next update
+        result = attempt(island1)
+        if "value" in result:
+            break
+        time.sleep(0.25)
+    print(json.dumps(result), flush=True)
 """
 
 

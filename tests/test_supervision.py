@@ -49,7 +49,7 @@ def _wait_healthy(cluster: LocalCluster, timeout_s: float) -> float:
 
 
 NEW_WORK_ON_A_DEAD_ISLAND = """
-    import sys, json, jax, jax.numpy as jnp, numpy as np, pathways_nb
+    import sys, json, time, jax, jax.numpy as jnp, numpy as np, pathways_nb
     pathways_nb.connect(sys.argv[1], tenant="survivor")
     island0, island1 = jax.devices()[0], jax.devices()[2]
     kept = jax.device_put(np.arange(4, dtype=np.float32), island1)
@@ -70,9 +70,14 @@ NEW_WORK_ON_A_DEAD_ISLAND = """
         "island0": attempt(lambda: jax.jit(lambda x: x - 1)(jax.device_put(np.full((2, 9), 3, np.int8), island0))),
     }
     print(json.dumps(report), flush=True)
-    sys.stdin.readline()                                          # the island is back
+    sys.stdin.readline()                                          # the resource manager shows it back
+    for _ in range(20):                                           # the proxy hears of it within its next update
+        fresh = attempt(lambda: jax.jit(lambda x: x + 1)(jax.device_put(np.full(3, 41, np.float32), island1)))
+        if "value" in fresh:
+            break
+        time.sleep(0.25)
     report = {
-        "fresh": attempt(lambda: jax.jit(lambda x: x + 1)(jax.device_put(np.full(3, 41, np.float32), island1))),
+        "fresh": fresh,
         "kept": attempt(lambda: kept + 1),                        # lost with the old process: stays lost
     }
     print(json.dumps(report), flush=True)
