@@ -1,0 +1,121 @@
+"""Bytes between two processes of one host through files in a private shared-memory directory.
+
+gRPC copies every byte several times (serialize, HTTP/2 frames, parse). When
+both ends see the same tmpfs and the same network namespace, the sender
+writes the bytes to a file in a directory only this user can enter, sends its
+name, and the receiver maps the file and removes it: one copy in all.
+
+Two processes use this only when it is proven, not guessed: the receiver
+checks that the path lies in its own private root (same user, mode 0700) and
+that the file is a regular file of the declared size. Hosts that are really
+separate (other machines, or other network namespaces as in
+tests/test_netns.py) have different ``host_key()`` values and keep to gRPC.
+"""
+
+from __future__ import annotations
+
+import atexit
+import mmap
+import os
+import shutil
+import stat
+import tempfile
+from pathlib import Path
+
+# Where private directories are made; default /dev/shm (tmpfs: memory, never a disk).
+ROOT_ENV = "PATHWAYS_SHM_ROOT"
+_DEFAULT_PARENT = "/dev/shm"
+
+
+class NotShared(OSError):
+    """The file cannot be taken through shared memory (wrong place, owner, type or size)."""
+
+
+def private_root() -> Path | None:
+    """This user's directory for transfers (``/dev/shm/pathways-nb-<uid>``, mode 0700), or None if unusable."""
+    parent = Path(os.environ.get(ROOT_ENV) or _DEFAULT_PARENT)
+    root = parent / f"pathways-nb-{os.getuid()}"
+    try:
+        root.mkdir(mode=0o700, exist_ok=True)
+        info = root.lstat()
+    except OSError:
+        return None
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) != 0o700:
+        return None  # someone else's, or opened up: never trust it
+    return root
+
+
+def host_key() -> str:
+    """Equal for two processes exactly when they share a kernel, a network namespace, a user and the root.
+
+    Empty when this process has no usable private root.
+    """
+    root = private_root()
+    if root is None:
+        return ""
+    try:
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        network_namespace = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        return ""
+    info = root.stat()
+    return f"{boot_id}:{network_namespace}:{info.st_dev}:{info.st_ino}:{os.getuid()}"
+
+
+class SharedDirectory:
+    """A directory of this process inside the private root; removed when closed or at exit."""
+
+    def __init__(self, purpose: str):
+        root = private_root()
+        if root is None:
+            raise NotShared("no private shared-memory directory on this host")
+        self.path = Path(tempfile.mkdtemp(prefix=f"{purpose}-{os.getpid()}-", dir=root))
+        atexit.register(self.close)
+
+    def write(self, name: str, data) -> Path:
+        """Writes ``data`` (any buffer) to ``name`` in this directory; the reader removes it."""
+        path = self.path / name
+        with open(path, "wb", opener=lambda p, flags: os.open(p, flags | os.O_EXCL, 0o600)) as file:
+            file.write(memoryview(data).cast("B"))
+        return path
+
+    def close(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def contains(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is inside this user's private root (what a peer names is checked with this)."""
+    root = private_root()
+    if root is None:
+        return False
+    try:
+        resolved = Path(path).resolve(strict=False)
+    except (OSError, RuntimeError):
+        return False
+    return resolved.is_relative_to(root.resolve()) and resolved != root.resolve()
+
+
+def take(path: str | os.PathLike, size: int) -> memoryview:
+    """The ``size`` bytes of the file at ``path``, mapped (copy-on-write, so writable); the file is removed.
+
+    Raises ``NotShared`` (and removes nothing) if the path is outside the
+    private root, is not a regular file of this user, or has another size.
+    """
+    if not contains(path):
+        raise NotShared(f"{path} is not in this user's private shared-memory directory")
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        raise NotShared(f"cannot open {path}: {e.strerror}") from None
+    try:
+        info = os.fstat(descriptor)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+            raise NotShared(f"{path} is not a regular file of this user")
+        if info.st_size != size:
+            raise NotShared(f"{path} holds {info.st_size} bytes, not the {size} declared")
+        os.unlink(path)
+        if size == 0:
+            return memoryview(bytearray())
+        return memoryview(mmap.mmap(descriptor, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE))
+    finally:
+        os.close(descriptor)
