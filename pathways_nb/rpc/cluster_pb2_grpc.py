@@ -400,6 +400,11 @@ class ObserveStub:
                 request_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.WatchEventsRequest.SerializeToString,
                 response_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.EventBatch.FromString,
                 _registered_method=True)
+        self.GetHost = channel.unary_unary(
+                '/pathways_nb.v1.Observe/GetHost',
+                request_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.GetHostRequest.SerializeToString,
+                response_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.HostInfo.FromString,
+                _registered_method=True)
 
 
 class ObserveServicer:
@@ -435,6 +440,14 @@ class ObserveServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetHost(self, request, context):
+        """Where this proxy runs, for clients that look before creating their IFRT client: one on the
+        same host sends its large uploads through shared memory (docs/design.md, "Shared-memory transfers").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ObserveServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -457,6 +470,11 @@ def add_ObserveServicer_to_server(servicer, server):
                     servicer.GetEvents,
                     request_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.WatchEventsRequest.FromString,
                     response_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.EventBatch.SerializeToString,
+            ),
+            'GetHost': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetHost,
+                    request_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.GetHostRequest.FromString,
+                    response_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.HostInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -568,6 +586,33 @@ class Observe:
             '/pathways_nb.v1.Observe/GetEvents',
             pathways__nb_dot_rpc_dot_cluster__pb2.WatchEventsRequest.SerializeToString,
             pathways__nb_dot_rpc_dot_cluster__pb2.EventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetHost(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pathways_nb.v1.Observe/GetHost',
+            pathways__nb_dot_rpc_dot_cluster__pb2.GetHostRequest.SerializeToString,
+            pathways__nb_dot_rpc_dot_cluster__pb2.HostInfo.FromString,
             options,
             channel_credentials,
             insecure,
