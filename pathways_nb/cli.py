@@ -33,11 +33,13 @@ def _serve_proxy(args: argparse.Namespace) -> int:
         serving = f"the cluster of {args.resource_manager_address}"
         serving_cpu = True  # the proxy cannot see its workers' memory; their CPU devices are the default
     else:
+        from pathways_nb.proxy.local_runtime import LocalProxyRuntime
         from pathways_nb.worker.runtime import LocalRuntime
 
-        runtime = LocalRuntime(args.platform, args.devices)
-        serving = f"{len(runtime.devices)} {runtime.platform} device(s)"
-        serving_cpu = runtime.platform == "cpu"
+        devices = LocalRuntime(args.platform, args.devices)
+        runtime = LocalProxyRuntime(devices)
+        serving = f"{len(devices.devices)} {devices.platform} device(s)"
+        serving_cpu = devices.platform == "cpu"
     limits = ProxyLimits(
         host_buffer_timeout_s=args.host_buffer_timeout,
         session_host_buffer_bytes=_memory_share(args.session_host_buffer_bytes, 4),

@@ -1,10 +1,11 @@
 """The interface between the proxy and whatever holds the devices.
 
-The proxy serves the IFRT protocol against a ``Runtime``: ``LocalRuntime``
+The proxy serves the IFRT protocol against a ``Runtime``: ``LocalProxyRuntime``
 (this process's own devices, ``pathways-nb proxy``) or ``ClusterRuntime``
 (workers of a cluster, reached over the network). Device values are opaque
 to the proxy; like ``jax.Array`` they can be deleted, asked whether they are,
-and waited for.
+and waited for. The checks both runtimes make of what a client sends live
+here, so that both refuse the same bad input with the same words.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from pathways_nb.protocol.errors import FailedPrecondition, InvalidRequest
+from pathways_nb.protocol import dtypes
+from pathways_nb.protocol.errors import FailedPrecondition, InvalidRequest, NotFound
 from pathways_nb.protocol.shardings import IfrtSharding
 
 
@@ -29,6 +31,11 @@ class Aval:
     @property
     def is_token(self) -> bool:
         return self.dtype is None
+
+    @property
+    def kind(self) -> int:
+        """The value's IFRT dtype kind (``dtypes.TOKEN_KIND`` for a token)."""
+        return dtypes.TOKEN_KIND if self.is_token else dtypes.from_numpy(self.dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +58,70 @@ class DeviceDescription:
     local_hardware_id: int
     memory_kinds: tuple[str, ...]  # default first
     attributes: dict[str, Any] = field(default_factory=dict)
+
+
+# The class the stock client's ``repr(device)`` names, per platform (as local jaxlib devices print).
+_DEVICE_CLASS = {"cpu": "CpuDevice", "cuda": "CudaDevice", "rocm": "RocmDevice", "tpu": "TpuDevice"}
+
+
+def describe_device(
+    device_id: int,
+    platform: str,
+    kind: str,
+    local_hardware_id: int,
+    memory_kinds: Sequence[str],
+    *,
+    island: int,
+    host_index: int,
+    host: str,
+    ordinal: int,
+    name_island: bool,
+) -> DeviceDescription:
+    """A device as ``jax.devices()`` shows it, wherever it is.
+
+    As a TPU device names its slice only in a multi-slice job, a device names its island in
+    ``repr`` only where ``name_island`` (the cluster has several); ``coords`` is the device's
+    place in its island's mesh: (host, device on the host).
+    """
+    device_class = _DEVICE_CLASS.get(platform, "Device")
+    named = f", slice_index={island}" if name_island else ""
+    return DeviceDescription(
+        id=device_id,
+        platform=platform,
+        kind=kind,
+        debug_string=f"{platform}:{device_id}",
+        to_string=f"{device_class}(id={device_id}{named})",
+        local_hardware_id=local_hardware_id,
+        memory_kinds=tuple(memory_kinds),
+        attributes={"slice_index": island, "host_index": host_index, "host": host, "coords": [host_index, ordinal]},
+    )
+
+
+def not_in_session(device_id: int, session_device_ids: Sequence[int]) -> NotFound:
+    """The error for a request that names a device its session does not hold."""
+    return NotFound(f"device {device_id} is not allocated to this session (devices {list(session_device_ids)})")
+
+
+def check_sharding(sharding: IfrtSharding, memory_kinds: Callable[[int], Sequence[str]]) -> None:
+    """Refuses shardings over no, unknown or repeated devices, unknown memory kinds or a bad OpSharding.
+
+    Pure Python, before any jax or XLA object exists: XLA aborts the process (a CHECK) on some
+    malformed shardings instead of raising. ``memory_kinds(device_id)`` gives a device's memory
+    kinds and raises ``NotFound`` for a device the caller does not hold.
+    """
+    if not sharding.device_ids:
+        raise InvalidRequest("a sharding over no devices; list the devices the array lives on")
+    kinds = [memory_kinds(device_id) for device_id in sharding.device_ids]
+    if len(set(sharding.device_ids)) != len(sharding.device_ids):
+        raise InvalidRequest(f"a sharding lists a device twice: {list(sharding.device_ids)}")
+    if sharding.memory_kind:
+        for device_id, available in zip(sharding.device_ids, kinds, strict=True):
+            if sharding.memory_kind not in available:
+                raise InvalidRequest(
+                    f"memory kind {sharding.memory_kind!r} does not exist on device {device_id}; "
+                    f"use one of {list(available)}"
+                )
+    sharding.tiling()
 
 
 @dataclass(frozen=True, eq=False)
@@ -174,9 +245,12 @@ class DeviceSession(Protocol):
 
     def put(self, host: np.ndarray, sharding: IfrtSharding) -> DeviceValue: ...
 
-    def put_shards(
-        self, shape: tuple[int, ...], sharding: IfrtSharding, shards: Sequence[np.ndarray]
-    ) -> DeviceValue: ...
+    def put_shards(self, shape: tuple[int, ...], sharding: IfrtSharding, shards: Sequence[np.ndarray]) -> DeviceValue:
+        """One host shard per device of ``sharding``, each of its shard shape and the array's dtype.
+
+        The protocol handler checks that before the bytes arrive, once for both runtimes.
+        """
+        ...
 
     def assemble(self, shape: tuple[int, ...], sharding: IfrtSharding, singles: Sequence) -> DeviceValue: ...
 

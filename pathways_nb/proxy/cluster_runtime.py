@@ -34,7 +34,6 @@ from pathways_nb.protocol import dtypes, schema
 from pathways_nb.protocol.errors import (
     DeadlineExceeded,
     InvalidRequest,
-    NotFound,
     RequestError,
     Unavailable,
 )
@@ -45,7 +44,14 @@ from pathways_nb.proxy.worker_link import WorkerLink, WorkerLost
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
 from pathways_nb.rpc.convert import array_meta, program_from_proto
-from pathways_nb.runtime_api import DeviceDescription, ProgramInfo, check_assemble_parts
+from pathways_nb.runtime_api import (
+    DeviceDescription,
+    ProgramInfo,
+    check_assemble_parts,
+    check_sharding,
+    describe_device,
+    not_in_session,
+)
 from pathways_nb.security import ClusterCredentials
 from pathways_nb.session_options import SECRET, SessionOptions
 
@@ -53,8 +59,6 @@ _LOGGER = logging.getLogger(__name__)
 
 # Upload chunk size on worker streams.
 PUT_CHUNK_BYTES = 4 << 20
-
-_DEVICE_CLASS = {"cpu": "CpuDevice", "cuda": "CudaDevice", "rocm": "RocmDevice", "tpu": "TpuDevice"}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -315,41 +319,29 @@ class ClusterSession:
         return self.allocation.platform_version or "pathways-nb cluster"
 
     def describe_devices(self, device_ids: Sequence[int]) -> list[DeviceDescription]:
-        descriptions = []
-        # As a TPU device names its slice only in a multi-slice job, a device names its island only
-        # where the cluster has several: on one island, devices print as local ones do.
+        # On one island, devices print as local ones do (``runtime_api.describe_device``).
         several_islands = self.cluster.cluster_state().islands > 1
-        for device_id in device_ids:
-            device = self._device(device_id)
-            device_class = _DEVICE_CLASS.get(device.platform, "Device")
-            island = f", slice_index={device.island}" if several_islands else ""
-            descriptions.append(
-                DeviceDescription(
-                    id=device.id,
-                    platform=device.platform,
-                    kind=device.kind,
-                    debug_string=f"{device.platform}:{device.id}",
-                    to_string=f"{device_class}(id={device.id}{island})",
-                    local_hardware_id=device.local_hardware_id,
-                    memory_kinds=tuple(device.memory_kinds),
-                    attributes={
-                        "slice_index": device.island,
-                        "host_index": device.host_index,
-                        "host": device.worker_address,
-                        # The device's place in its island's mesh: (host, device on the host).
-                        "coords": [device.host_index, self._ordinals[device.id]],
-                    },
-                )
+        return [
+            describe_device(
+                device.id,
+                device.platform,
+                device.kind,
+                device.local_hardware_id,
+                device.memory_kinds,
+                island=device.island,
+                host_index=device.host_index,
+                host=device.worker_address,
+                ordinal=self._ordinals[device.id],
+                name_island=several_islands,
             )
-        return descriptions
+            for device in map(self._device, device_ids)
+        ]
 
     def _device(self, device_id: int) -> pb.Device:
         try:
             return self._devices[device_id]
         except KeyError:
-            raise NotFound(
-                f"device {device_id} is not allocated to this session (devices {list(self._device_ids)})"
-            ) from None
+            raise not_in_session(device_id, self._device_ids) from None
 
     def _current(self, device: pb.Device) -> pb.Device:
         """The device's worker as the cluster knows it now (it may have restarted since the allocation)."""
@@ -415,15 +407,7 @@ class ClusterSession:
         )
 
     def check_sharding(self, sharding: IfrtSharding) -> None:
-        if len(set(sharding.device_ids)) != len(sharding.device_ids):
-            raise InvalidRequest(f"a sharding lists a device twice: {list(sharding.device_ids)}")
-        for device_id in sharding.device_ids:
-            device = self._device(device_id)
-            if sharding.memory_kind and sharding.memory_kind not in device.memory_kinds:
-                raise InvalidRequest(
-                    f"memory kind {sharding.memory_kind!r} does not exist on device {device_id}; "
-                    f"use one of {list(device.memory_kinds)}"
-                )
+        check_sharding(sharding, lambda device_id: self._device(device_id).memory_kinds)
 
     def default_layout(self, dtype: np.dtype, dims: Sequence[int], device_id: int, memory_kind: str = "") -> bytes:
         device = self._current(self._device(device_id))
@@ -606,7 +590,7 @@ class ClusterSession:
             )
         program_id = self.cluster.program_id_on(program, device)
         results = [
-            RemoteArray(link, link.new_id(), _kind(aval), aval.shape, sharding)
+            RemoteArray(link, link.new_id(), aval.kind, aval.shape, sharding)
             for aval, sharding in zip(program.signature.results, program.output_shardings, strict=True)
         ]
         link.send(
@@ -636,7 +620,7 @@ class ClusterSession:
                 )
         gang = f"{self.cluster.key}-s{self.session_id}-g{next(self._gangs)}"
         results = [
-            [RemoteArray(link, link.new_id(), _kind(aval), aval.shape, sharding) for link in links]
+            [RemoteArray(link, link.new_id(), aval.kind, aval.shape, sharding) for link in links]
             for aval, sharding in zip(program.signature.results, program.output_shardings, strict=True)
         ]
         peers = [link.address for link in links[1:]]
@@ -709,10 +693,6 @@ class ClusterSession:
         for link in links:
             link.close()
         lease.cancel()
-
-
-def _kind(aval) -> int:
-    return dtypes.TOKEN_KIND if aval.is_token else dtypes.from_numpy(aval.dtype)
 
 
 def _region(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:

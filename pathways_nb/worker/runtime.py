@@ -1,4 +1,4 @@
-"""The XLA devices of one process and what the proxy asks of them.
+"""The XLA devices of one process: what a worker (and the single-process proxy) runs on.
 
 ``LocalRuntime`` wraps the process's own jaxlib client: it compiles StableHLO
 for a list of its devices, turns host bytes into device arrays, runs programs
@@ -35,6 +35,8 @@ from pathways_nb.runtime_api import (
     ProgramInfo,
     check_arguments,
     check_assemble_parts,
+    check_sharding,
+    describe_device,
 )
 from pathways_nb.worker import jaxlib_kernels
 from pathways_nb.worker import signature as program_signature
@@ -87,58 +89,9 @@ class LocalRuntime:
         self._local_ids = frozenset(d.id for d in self.devices)
         self.timer = ExecutionTimer()
 
-    # -- sessions --------------------------------------------------------------------------
-
-    def open_session(self, session_id: int, attributes: dict, events: EventSink) -> LocalSession:
-        """Every session of a single-process server shares all its devices."""
-        return LocalSession(self, events)
-
     @property
     def device_ids(self) -> tuple[int, ...]:
         return tuple(d.id for d in self.devices)
-
-    def close(self) -> None:
-        """Nothing to close: the devices go with the process."""
-
-    def cluster_state(self):
-        """This process as a one-island cluster whose sessions all share every device."""
-        from pathways_nb.rpc import cluster_pb2 as pb
-
-        address = f"{socket.gethostname()} (this process)"
-        worker = pb.WorkerState(
-            worker_id="island0-host0",
-            address=address,
-            healthy=True,
-            hostname=socket.gethostname(),
-            device_ids=self.device_ids,
-            pid=os.getpid(),
-            incarnation=1,
-        )
-        devices = [
-            pb.Device(
-                id=d.id,
-                island=0,
-                host_index=0,
-                local_id=d.id,
-                worker_id=worker.worker_id,
-                worker_address=address,
-                incarnation=1,
-                platform=d.platform,
-                kind=d.kind,
-                memory_kinds=d.memory_kinds,
-                local_hardware_id=d.local_hardware_id,
-                healthy=True,
-            )
-            for d in self.describe_devices(self.device_ids)
-        ]
-        return pb.ClusterState(
-            workers=[worker],
-            devices=devices,
-            islands=1,
-            hosts_per_island=1,
-            devices_per_host=len(devices),
-            platform=self.platform,
-        )
 
     # -- devices ---------------------------------------------------------------------------
 
@@ -164,21 +117,25 @@ class LocalRuntime:
         return (default, *(k for k in kinds if k != default))
 
     def describe_devices(self, device_ids: Sequence[int]) -> list[DeviceDescription]:
+        """This host's devices, as ``jax.devices()`` shows them (one process is one island's host 0)."""
         descriptions = []
         for device_id in device_ids:
             device = self.device(device_id)
+            if device.id not in self._local_ids:
+                raise NotFound(f"device {device_id} belongs to another host of this island; ask that host")
             hardware_id = device.local_hardware_id
             descriptions.append(
-                DeviceDescription(
-                    id=device.id,
-                    platform=self.platform,
-                    kind=device.device_kind,
-                    debug_string=str(device),
-                    to_string=repr(device),
-                    local_hardware_id=device.id if hardware_id is None else hardware_id,
-                    memory_kinds=self.memory_kinds(device),
-                    # One process is one island (slice) on one host.
-                    attributes={"slice_index": 0, "host": socket.gethostname()},
+                describe_device(
+                    device.id,
+                    self.platform,
+                    device.device_kind,
+                    device.id if hardware_id is None else hardware_id,
+                    self.memory_kinds(device),
+                    island=0,
+                    host_index=0,
+                    host=socket.gethostname(),
+                    ordinal=self.devices.index(device),
+                    name_island=False,
                 )
             )
         return descriptions
@@ -195,23 +152,8 @@ class LocalRuntime:
     # -- shardings -------------------------------------------------------------------------
 
     def check_sharding(self, sharding: IfrtSharding) -> None:
-        """Refuses shardings over no, unknown or repeated devices, unknown memory kinds or a bad OpSharding.
-
-        Pure Python, before any jax or XLA object exists: XLA aborts the
-        process (a CHECK) on some malformed shardings instead of raising.
-        """
-        if not sharding.device_ids:
-            raise InvalidRequest("a sharding over no devices; list the devices the array lives on")
-        devices = [self.device(i) for i in sharding.device_ids]
-        if len(set(sharding.device_ids)) != len(devices):
-            raise InvalidRequest(f"a sharding lists a device twice: {list(sharding.device_ids)}")
-        memory_kind = sharding.memory_kind or None
-        for device in devices:
-            if memory_kind is not None and memory_kind not in self.memory_kinds(device):
-                raise InvalidRequest(
-                    f"memory kind {memory_kind!r} does not exist on {device}; use one of {self.memory_kinds(device)}"
-                )
-        sharding.tiling()
+        """``runtime_api.check_sharding`` over this process's devices (and those of its island's other hosts)."""
+        check_sharding(sharding, lambda device_id: self.memory_kinds(self.device(device_id)))
 
     @functools.lru_cache(maxsize=4096)  # noqa: B019 - the runtime lives as long as the process
     def jax_sharding(self, sharding: IfrtSharding):
@@ -240,8 +182,6 @@ class LocalRuntime:
 
     def put_shards(self, shape: tuple[int, ...], sharding: IfrtSharding, shards: Sequence[np.ndarray]):
         """A device array from one host buffer per device of ``sharding`` (in its order)."""
-        if len(shards) != len(sharding.device_ids):
-            raise InvalidRequest(f"{len(shards)} shards given for {len(sharding.device_ids)} devices")
         singles = [
             _exact_device_put(shard, self.device(device_id))
             for shard, device_id in zip(shards, sharding.device_ids, strict=True)
@@ -370,35 +310,6 @@ class LocalRuntime:
 
     def program_text(self, program: ProgramInfo) -> str:
         return "\n\n".join(module.to_string() for module in program.executable.hlo_modules())
-
-
-class LocalSession:
-    """One session's view of a ``LocalRuntime``: all its devices, its own event sink."""
-
-    def __init__(self, runtime: LocalRuntime, events: EventSink):
-        self.runtime = runtime
-        self.events = events
-        self.platform = runtime.platform
-        self.platform_version = runtime.platform_version
-        self.device_ids = runtime.device_ids
-        self.describe_devices = runtime.describe_devices
-        self.default_layout = runtime.default_layout
-        self.check_sharding = runtime.check_sharding
-        self.put = runtime.put
-        self.put_shards = runtime.put_shards
-        self.assemble = runtime.assemble
-        self.disassemble = runtime.disassemble
-        self.copy = runtime.copy
-        self.compile = runtime.compile
-        self.to_host = runtime.to_host
-        self.cost_analysis = runtime.cost_analysis
-        self.program_text = runtime.program_text
-
-    def execute(self, program: Program, args: Sequence, keep: frozenset[int] = frozenset()) -> list:
-        return self.runtime.execute(program, args, keep, timed=self.events)
-
-    def release(self) -> None:
-        """Nothing to give back: the proxy deletes the session's arrays."""
 
 
 def _sharding_of(array) -> IfrtSharding:

@@ -167,7 +167,7 @@ def compile_program(session, request, op_id):
             return
         handle = session.server_handle()
         session.programs[handle] = LoadedProgram(
-            program, output_kinds=tuple(_output_kind(a) for a in program.signature.results)
+            program, output_kinds=tuple(aval.kind for aval in program.signature.results)
         )
         ready = Pending()
         ready.resolve(None)
@@ -185,10 +185,6 @@ def compile_program(session, request, op_id):
 
     session.in_background(compile_now, compiled, pool=session.context.compile_pool)
     return DEFERRED
-
-
-def _output_kind(aval) -> int:
-    return dtypes.TOKEN_KIND if aval.is_token else dtypes.from_numpy(aval.dtype)
 
 
 @handles("loaded_executable_metadata_request")

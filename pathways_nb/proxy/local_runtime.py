@@ -1,0 +1,108 @@
+"""The single-process proxy's devices: this process's own (``pathways-nb proxy`` without a cluster).
+
+``worker.runtime.LocalRuntime`` is XLA on this process's devices, as a worker
+uses it; here it gets the proxy's interface (``runtime_api.Runtime``): every
+session sees every device and has its own event sink.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Sequence
+
+from pathways_nb.events import EventSink
+from pathways_nb.protocol.shardings import IfrtSharding
+from pathways_nb.rpc import cluster_pb2 as pb
+from pathways_nb.runtime_api import check_sharding, not_in_session
+from pathways_nb.worker.runtime import LocalRuntime, Program
+
+
+class LocalProxyRuntime:
+    """A ``LocalRuntime`` served to proxy sessions: one island of one host, all devices shared."""
+
+    def __init__(self, runtime: LocalRuntime):
+        self.runtime = runtime
+
+    def open_session(self, session_id: int, attributes: dict, events: EventSink) -> LocalSession:
+        """Every session of a single-process server shares all its devices."""
+        return LocalSession(self.runtime, events)
+
+    def close(self) -> None:
+        """Nothing to close: the devices go with the process."""
+
+    def cluster_state(self) -> pb.ClusterState:
+        """This process as a one-island cluster whose sessions all share every device."""
+        runtime = self.runtime
+        address = f"{socket.gethostname()} (this process)"
+        worker = pb.WorkerState(
+            worker_id="island0-host0",
+            address=address,
+            healthy=True,
+            hostname=socket.gethostname(),
+            device_ids=runtime.device_ids,
+            pid=os.getpid(),
+            incarnation=1,
+        )
+        devices = [
+            pb.Device(
+                id=d.id,
+                island=0,
+                host_index=0,
+                local_id=d.id,
+                worker_id=worker.worker_id,
+                worker_address=address,
+                incarnation=1,
+                platform=d.platform,
+                kind=d.kind,
+                memory_kinds=d.memory_kinds,
+                local_hardware_id=d.local_hardware_id,
+                healthy=True,
+            )
+            for d in runtime.describe_devices(runtime.device_ids)
+        ]
+        return pb.ClusterState(
+            workers=[worker],
+            devices=devices,
+            islands=1,
+            hosts_per_island=1,
+            devices_per_host=len(devices),
+            platform=runtime.platform,
+        )
+
+
+class LocalSession:
+    """One session's view of a ``LocalRuntime``: all its devices, its own event sink."""
+
+    def __init__(self, runtime: LocalRuntime, events: EventSink):
+        self.runtime = runtime
+        self.events = events
+        self.platform = runtime.platform
+        self.platform_version = runtime.platform_version
+        self.device_ids = runtime.device_ids
+        self.describe_devices = runtime.describe_devices
+        self.default_layout = runtime.default_layout
+        self.put = runtime.put
+        self.put_shards = runtime.put_shards
+        self.assemble = runtime.assemble
+        self.disassemble = runtime.disassemble
+        self.copy = runtime.copy
+        self.compile = runtime.compile
+        self.to_host = runtime.to_host
+        self.cost_analysis = runtime.cost_analysis
+        self.program_text = runtime.program_text
+
+    def check_sharding(self, sharding: IfrtSharding) -> None:
+        """The checks a cluster session makes too (``runtime_api.check_sharding``), with the same words."""
+        check_sharding(sharding, self._memory_kinds)
+
+    def _memory_kinds(self, device_id: int) -> tuple[str, ...]:
+        if device_id not in self.device_ids:
+            raise not_in_session(device_id, self.device_ids)
+        return self.runtime.memory_kinds(self.runtime.device(device_id))
+
+    def execute(self, program: Program, args: Sequence, keep: frozenset[int] = frozenset()) -> list:
+        return self.runtime.execute(program, args, keep, timed=self.events)
+
+    def release(self) -> None:
+        """Nothing to give back: the proxy deletes the session's arrays."""
