@@ -15,15 +15,24 @@ tests/test_netns.py) have different ``host_key()`` values and keep to gRPC.
 from __future__ import annotations
 
 import atexit
+import itertools
+import logging
 import mmap
 import os
 import shutil
 import stat
 import tempfile
+import threading
 from pathlib import Path
+
+_LOGGER = logging.getLogger(__name__)
 
 # Where private directories are made; default /dev/shm (tmpfs: memory, never a disk).
 ROOT_ENV = "PATHWAYS_SHM_ROOT"
+# PATHWAYS_SHARED_MEMORY=0: this process never passes bytes through shared memory (gRPC only).
+ENABLE_ENV = "PATHWAYS_SHARED_MEMORY"
+# Below this, bytes that can ride in a message already being sent cost less there than a file does.
+MIN_BYTES = 64 << 10
 _DEFAULT_PARENT = "/dev/shm"
 
 
@@ -48,8 +57,10 @@ def private_root() -> Path | None:
 def host_key() -> str:
     """Equal for two processes exactly when they share a kernel, a network namespace, a user and the root.
 
-    Empty when this process has no usable private root.
+    Empty when this process has no usable private root, or ``PATHWAYS_SHARED_MEMORY=0`` turns it off.
     """
+    if os.environ.get(ENABLE_ENV, "").strip() == "0":
+        return ""
     root = private_root()
     if root is None:
         return ""
@@ -69,6 +80,7 @@ class SharedDirectory:
         root = private_root()
         if root is None:
             raise NotShared("no private shared-memory directory on this host")
+        reap_stale(root)
         self.path = Path(tempfile.mkdtemp(prefix=f"{purpose}-{os.getpid()}-", dir=root))
         atexit.register(self.close)
 
@@ -81,6 +93,89 @@ class SharedDirectory:
 
     def close(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
+
+
+class Outbox:
+    """Files this process hands to processes of its host, in a ``SharedDirectory`` made on first use.
+
+    Writing never raises: where shared memory fails here (no root, tmpfs full), ``write`` says so in
+    a debug log and returns None, and the caller sends the bytes another way.
+    """
+
+    def __init__(self, purpose: str):
+        self.purpose = purpose
+        self.host_key = host_key()
+        if self.host_key:
+            reap_stale()  # at start: what a killed predecessor left (its directory is made only on first use)
+        self._directory: SharedDirectory | None = None
+        self._lock = threading.Lock()
+        self._names = itertools.count()
+
+    def shares_host(self, other_key: str) -> bool:
+        """Whether a process that reported ``other_key`` can take this process's files."""
+        return bool(self.host_key) and other_key == self.host_key
+
+    def write(self, prefix: str, data) -> Path | None:
+        """``data`` (any buffer) in a new file whose name starts with ``prefix``; None if that failed."""
+        path = None
+        try:
+            with self._lock:
+                if self._directory is None:
+                    self._directory = SharedDirectory(self.purpose)
+                directory = self._directory
+            path = directory.path / f"{prefix}{next(self._names)}"
+            return directory.write(path.name, data)
+        except OSError as error:
+            _LOGGER.debug("shared memory failed here (%s); sending the bytes over gRPC", error)
+            if path is not None:
+                path.unlink(missing_ok=True)
+            return None
+
+    def remove(self, prefix: str) -> None:
+        """Removes the files not yet taken whose names start with ``prefix`` (their reader is gone)."""
+        directory = self._directory
+        if directory is None:
+            return
+        try:
+            for path in directory.path.iterdir():
+                if path.name.startswith(prefix):
+                    path.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+
+def discard(path: str | os.PathLike) -> None:
+    """Removes a file of the private root that will not be taken (its message failed or nobody waits for it)."""
+    if contains(path):
+        Path(path).unlink(missing_ok=True)
+
+
+def reap_stale(root: Path | None = None) -> list[Path]:
+    """Removes the directories of processes that are gone (a SIGKILLed one never ran its atexit); returns them.
+
+    A directory's owner is the pid in its name (``purpose-<pid>-xxxx``).
+    """
+    root = root or private_root()
+    if root is None:
+        return []
+    reaped = []
+    for directory in root.iterdir():
+        parts = directory.name.rsplit("-", 2)
+        if len(parts) != 3 or not parts[1].isdigit() or _alive(int(parts[1])):
+            continue
+        shutil.rmtree(directory, ignore_errors=True)
+        reaped.append(directory)
+    return reaped
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process (it cannot own a directory here, but never guess)
+    return True
 
 
 def contains(path: str | os.PathLike) -> bool:

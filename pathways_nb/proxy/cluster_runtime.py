@@ -57,9 +57,6 @@ from pathways_nb.session_options import SECRET, SessionOptions
 
 _LOGGER = logging.getLogger(__name__)
 
-# Upload chunk size on worker streams.
-PUT_CHUNK_BYTES = 4 << 20
-
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class RemoteProgram(ProgramInfo):
@@ -353,6 +350,7 @@ class ClusterSession:
         current.incarnation = worker.incarnation
         current.worker_address = worker.address
         current.healthy = worker.healthy
+        current.host_key = worker.host_key
         return current
 
     def _link(self, device: pb.Device) -> WorkerLink:
@@ -420,18 +418,14 @@ class ClusterSession:
         shape = tuple(host.shape)
         if len(self._worker_ids(sharding)) > 1:
             parts = [
-                self.put(np.array(host[index], order="C"), IfrtSharding((device_id,), sharding.memory_kind))
+                self.put(host[index], IfrtSharding((device_id,), sharding.memory_kind))
                 for device_id, index in zip(sharding.device_ids, sharding.shard_indices(shape), strict=True)
             ]
             return self.assemble(shape, sharding, parts)
         link = self._link(self._device(sharding.device_ids[0]))
         array_id = link.new_id()
         meta = array_meta(kind, shape, self._local(sharding))
-        data = memoryview(np.ascontiguousarray(host).reshape(-1).view(np.uint8))
-        for start in range(0, max(data.nbytes, 1), PUT_CHUNK_BYTES):
-            end = min(start + PUT_CHUNK_BYTES, data.nbytes)
-            put = pb.Put(id=array_id, meta=meta, data=data[start:end].tobytes(), more=end < data.nbytes)
-            link.send(pb.Command(put=put))
+        link.put(array_id, meta, memoryview(np.ascontiguousarray(host).reshape(-1).view(np.uint8)))
         return RemoteArray(link, array_id, kind, shape, sharding)
 
     def put_shards(self, shape: tuple[int, ...], sharding: IfrtSharding, shards: Sequence[np.ndarray]):
@@ -503,7 +497,12 @@ class ClusterSession:
         meta = array_meta(value.kind, shape, self._local(sharding))
         target.send(pb.Command(expect=pb.Expect(id=array_id, meta=meta)))
         send = pb.Send(
-            source=value.array_id, peer_address=target.address, peer_session=target.session_key, id=array_id, meta=meta
+            source=value.array_id,
+            peer_address=target.address,
+            peer_session=target.session_key,
+            id=array_id,
+            meta=meta,
+            peer_host_key=target.host_key,
         )
         if region is not None:
             send.start.extend(s.start for s in region)
@@ -550,7 +549,7 @@ class ClusterSession:
             for part, index in zip(value.parts, value.sharding.shard_indices(value.shape), strict=True):
                 host[index] = self.to_host(part)
             return host
-        data = value.link.request(pb.Command(fetch=pb.Fetch(id=value.array_id)), "fetch", collect_bytes=True).result()
+        data = value.link.fetch(value.array_id)
         return np.frombuffer(data, dtypes.to_numpy(value.kind)).reshape(value.shape)
 
     # -- programs --------------------------------------------------------------------------

@@ -5,6 +5,11 @@ queued when gRPC asks for the next message goes in it, so a burst of requests
 costs one message. Requests that want an answer get a future. If the stream
 breaks (the worker died or restarted), every waiting future and every later
 command fails with an error that names the island and host.
+
+Array bytes go through shared memory when the worker is on this host (its
+host key equals ours, see ``pathways_nb.shared_memory``): the message carries
+only a file's name, and the reader takes the file. Otherwise, or where that
+fails, they go in the messages themselves.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from concurrent.futures import Future
 
 import grpc
 
+from pathways_nb import shared_memory
 from pathways_nb.aio_server import SERVER_OPTIONS
 from pathways_nb.protocol.errors import DataLoss, RequestError, Unavailable
 from pathways_nb.rpc import cluster_pb2 as pb
@@ -32,6 +38,10 @@ _IDLE_FLUSH_S = 0.2
 # How long a broken stream waits for the cluster to say why its worker went down (a launcher
 # reports a dead process within milliseconds; heartbeats take seconds and are not waited for).
 _CAUSE_WAIT_S = 0.5
+# Array bytes per message on the stream.
+CHUNK_BYTES = 4 << 20
+# The proxy's files for workers on its host.
+OUTBOX = shared_memory.Outbox("proxy")
 
 
 class WorkerLost(DataLoss):
@@ -54,7 +64,14 @@ class WorkerLink:
         self.island = worker.island
         self.host_index = worker.host_index
         self.incarnation = worker.incarnation
+        self.host_key = worker.host_key
         self.session_key = session_key
+        # Whether array bytes to and from this worker go through shared memory.
+        self.shared_memory = OUTBOX.shares_host(worker.host_key)
+        # Names of this link's files in the outbox (removed if the link ends before the worker takes them).
+        self._file_prefix = f"{session_key}-{self.worker_id}-"
+        # Array bytes moved each way ("shared memory" or "gRPC"): what tests and benchmarks observe.
+        self.moved: collections.Counter[str] = collections.Counter()
         # Why the worker went down, once the cluster knows (its launcher reports how the process ended).
         self._cause = cause
         self._on_events = on_events
@@ -67,7 +84,7 @@ class WorkerLink:
         self._error: RequestError | None = None
         self._ids = itertools.count(1)
         self._requests = itertools.count(1)
-        self._waiters: dict[int, tuple[Future, bytearray | None]] = {}
+        self._waiters: dict[int, tuple[Future, list[bytes] | None]] = {}
         self._channel = (credentials or ClusterCredentials()).channel(self.address, options=SERVER_OPTIONS)
         self._call = cluster_pb2_grpc.WorkerStub(self._channel).Session(self._batches())
         self._reader = threading.Thread(target=self._read, name=f"pathways-link-{self.worker_id}", daemon=True)
@@ -96,15 +113,46 @@ class WorkerLink:
             if len(self._pending) == 1:
                 self._cond.notify()
 
+    def put(self, array_id: int, meta: pb.ArrayMeta, data: memoryview) -> None:
+        """Uploads row-major bytes as array ``array_id``: one file through shared memory, else in chunks."""
+        if self.shared_memory and data.nbytes >= shared_memory.MIN_BYTES:
+            path = OUTBOX.write(self._file_prefix, data)
+            if path is not None:
+                shared = pb.SharedFile(path=str(path), size=data.nbytes)
+                try:
+                    self.send(pb.Command(put=pb.Put(id=array_id, meta=meta, shared=shared)))
+                except RequestError:
+                    shared_memory.discard(path)
+                    raise
+                self.moved["shared memory"] += data.nbytes
+                return
+        for start in range(0, max(data.nbytes, 1), CHUNK_BYTES):
+            end = min(start + CHUNK_BYTES, data.nbytes)
+            put = pb.Put(id=array_id, meta=meta, data=data[start:end].tobytes(), more=end < data.nbytes)
+            self.send(pb.Command(put=put))
+        self.moved["gRPC"] += data.nbytes
+
+    def fetch(self, array_id: int) -> memoryview | bytearray:
+        """The row-major bytes of array ``array_id`` (waits for them); over gRPC if shared memory fails.
+
+        The worker decides: a small array comes in the reply (``shared_memory.MIN_BYTES``).
+        """
+        if self.shared_memory:
+            try:
+                return self.request(pb.Command(fetch=pb.Fetch(id=array_id, shared_memory=True)), "fetch", True).result()
+            except shared_memory.NotShared as error:
+                _LOGGER.debug("array %d from %s: %s; fetching it over gRPC", array_id, self.describe(), error)
+        return self.request(pb.Command(fetch=pb.Fetch(id=array_id)), "fetch", collect_bytes=True).result()
+
     def request(self, command: pb.Command, field: str, collect_bytes: bool = False) -> Future:
-        """Queues a command that answers; the future gets the reply (or the joined data bytes)."""
+        """Queues a command that answers; the future gets the reply (or the fetched bytes)."""
         request_id = next(self._requests)
         getattr(command, field).request = request_id
         future: Future = Future()
         with self._cond:
             if self._error is not None:
                 raise self._error
-            self._waiters[request_id] = (future, bytearray() if collect_bytes else None)
+            self._waiters[request_id] = (future, [] if collect_bytes else None)
         try:
             self.send(command)
         except RequestError:
@@ -156,14 +204,16 @@ class WorkerLink:
                 self._lost(self._cause_of_loss(f"{error.code().name}: {error.details()}"))
 
     def _deliver(self, reply: pb.Reply) -> None:
+        kind = reply.WhichOneof("reply")
         with self._cond:
             entry = self._waiters.get(reply.request)
             if entry is None:
+                if kind == "shared":
+                    shared_memory.discard(reply.shared.path)  # nobody waits for it any more
                 return
-            future, data = entry
-            kind = reply.WhichOneof("reply")
-            if kind == "data" and data is not None:
-                data += reply.data
+            future, chunks = entry
+            if kind == "data" and chunks is not None:
+                chunks.append(reply.data)
                 if reply.more:
                     return
             del self._waiters[reply.request]
@@ -171,7 +221,17 @@ class WorkerLink:
             failure = RequestError(reply.error.message)
             failure.code = reply.error.code
             future.set_exception(failure)
-        elif data is not None and kind == "data":
+        elif kind == "shared":
+            try:
+                future.set_result(shared_memory.take(reply.shared.path, reply.shared.size))
+            except shared_memory.NotShared as error:
+                shared_memory.discard(reply.shared.path)
+                future.set_exception(error)
+            else:
+                self.moved["shared memory"] += reply.shared.size
+        elif chunks is not None and kind == "data":
+            data = bytearray().join(chunks)  # one copy, and writable as the array it becomes
+            self.moved["gRPC"] += len(data)
             future.set_result(data)
         else:
             future.set_result(reply)
@@ -200,6 +260,7 @@ class WorkerLink:
             self._cond.notify_all()
         for future, _data in waiters.values():
             future.set_exception(error)
+        OUTBOX.remove(self._file_prefix)  # uploads the worker will never take
 
     def close(self) -> None:
         """Ends the stream (the worker drops the session's arrays); pending requests fail."""
@@ -211,3 +272,4 @@ class WorkerLink:
             future.set_exception(Unavailable(f"the session's link to {self.describe()} was closed"))
         self._call.cancel()
         self._channel.close()
+        OUTBOX.remove(self._file_prefix)

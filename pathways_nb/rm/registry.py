@@ -62,6 +62,7 @@ class WorkerEntry:
             device_ids=self.device_ids,
             pid=self.request.pid,
             down_reason=self.down_reason,
+            host_key=self.request.host_key,
         )
 
 
@@ -116,6 +117,7 @@ class Registry:
                 memory_kinds=local.memory_kinds,
                 local_hardware_id=local.local_hardware_id,
                 healthy=True,
+                host_key=request.host_key,
             )
             for device_id, local in zip(entry.device_ids, request.devices, strict=True)
         ]

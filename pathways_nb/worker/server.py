@@ -77,6 +77,7 @@ class WorkerServer:
             hostname=socket.gethostname(),
             pid=os.getpid(),
             incarnation=self.incarnation,
+            host_key=self.service.outbox.host_key,
         )
         deadline = time.monotonic() + timeout_s
         while True:

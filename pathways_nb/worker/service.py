@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 
+from pathways_nb import shared_memory
 from pathways_nb.aio_server import SERVER_OPTIONS
 from pathways_nb.protocol.errors import RequestError, as_request_error
 from pathways_nb.rpc import cluster_pb2 as pb
@@ -96,6 +97,8 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
         self.island_order = IslandOrder()
         # Busy devices shared between tenants by weight.
         self.share = FairShare()
+        # Array bytes for the proxy and peers on this host go through shared memory (its key is registered).
+        self.outbox = shared_memory.Outbox("worker")
 
     def background(self, work: Callable[[], object], done: Callable[[object, RequestError | None], None]) -> None:
         def run() -> None:
@@ -126,6 +129,7 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
             self.island_order,
             self.announce_step,
             self.share,
+            self.outbox,
         )
         self.sessions[key] = session
         _LOGGER.info("session %s opened", key)
@@ -157,23 +161,34 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
 
     async def PushArray(self, request_iterator, context):
         header = None
-        buffer = bytearray()
+        chunks = []
         async for chunk in request_iterator:
             if header is None:
                 header = chunk
-            buffer += chunk.data
+            chunks.append(chunk.data)
         if header is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "an empty push: the first chunk names the array")
         session = self.sessions.get(header.session)
         if session is None:
+            if header.HasField("shared"):
+                shared_memory.discard(header.shared.path)
             await context.abort(grpc.StatusCode.NOT_FOUND, f"session {header.session} is not open on this worker")
+        data = bytearray().join(chunks)
+        if header.HasField("shared"):
+            try:
+                data = shared_memory.take(header.shared.path, header.shared.size)
+            except shared_memory.NotShared as error:
+                _LOGGER.debug("array %d: %s; asking the sender for the bytes over gRPC", header.id, error)
+                return pb.PushArrayResponse(not_shared=True)
         error = header.error if header.HasField("error") else None
-        session.arrive(header.id, header.meta, buffer, error)
+        session.arrive(header.id, header.meta, data, error)
         return pb.PushArrayResponse()
 
-    def push(self, peer_address: str, header: pb.ArrayChunk, read: Callable[[], np.ndarray | None]) -> None:
-        """Sends an array to a peer worker (runs on a pool thread)."""
-        host = read()
+    def push(self, peer_address: str, header: pb.ArrayChunk, host: np.ndarray | None) -> bool:
+        """Sends an array (or, in ``header.shared``, the file that holds it) to a peer worker, on a pool thread.
+
+        False if the peer could not take the shared file (the caller sends the bytes instead).
+        """
         data = memoryview(host.reshape(-1).view(np.uint8)) if host is not None else memoryview(b"")
 
         def chunks():
@@ -182,9 +197,13 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
                 yield pb.ArrayChunk(data=data[start : start + CHUNK_BYTES].tobytes())
 
         try:
-            self._peer(peer_address).PushArray(chunks())
+            return not self._peer(peer_address).PushArray(chunks()).not_shared
         except grpc.RpcError as error:
             _LOGGER.warning("sending array %d to %s failed: %s", header.id, peer_address, error.details())
+            return True
+        finally:
+            if header.HasField("shared"):
+                shared_memory.discard(header.shared.path)  # taken by now, or never will be
 
     async def OrderGang(self, request, context):
         for step in request.steps:

@@ -15,11 +15,12 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from pathways_nb import shared_memory
 from pathways_nb.dataflow import ArrayRecord, run_after
 from pathways_nb.events import EventSink, event
 from pathways_nb.memory import release_free_memory
 from pathways_nb.protocol import dtypes
-from pathways_nb.protocol.errors import InvalidRequest, NotFound, RequestError, as_request_error
+from pathways_nb.protocol.errors import InvalidRequest, NotFound, RequestError, Unavailable, as_request_error
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc.convert import sharding_from_proto
 from pathways_nb.worker.gang import IslandOrder
@@ -31,6 +32,18 @@ _LOGGER = logging.getLogger(__name__)
 
 # Replies and pushes carry at most this much array data per message.
 CHUNK_BYTES = 4 << 20
+
+
+def _take(shared: pb.SharedFile) -> memoryview:
+    """The bytes of a file a process of this host wrote for us (removed from shared memory)."""
+    try:
+        return shared_memory.take(shared.path, shared.size)
+    except OSError as error:
+        shared_memory.discard(shared.path)
+        raise Unavailable(
+            f"the array's bytes could not be taken from shared memory ({error}); set PATHWAYS_SHARED_MEMORY=0 "
+            "for the proxy and the workers to send them over gRPC"
+        ) from None
 
 
 def host_array(data, meta: pb.ArrayMeta) -> np.ndarray:
@@ -53,11 +66,12 @@ class WorkerSession:
         programs: Programs,
         background: Callable[[Callable[[], object], Callable[[object, RequestError | None], None]], None],
         reply: Callable[[pb.Reply], None],
-        push: Callable[[str, pb.ArrayChunk, Callable[[], object]], None],
+        push: Callable[[str, pb.ArrayChunk, np.ndarray | None], bool],
         events: EventSink,
         order: IslandOrder | None = None,
         announce: Callable[[Sequence[str], str, int], None] | None = None,
         share: FairShare | None = None,
+        outbox: shared_memory.Outbox | None = None,
     ):
         self.key = key
         self.runtime = runtime
@@ -72,6 +86,9 @@ class WorkerSession:
         self._gang_waiting: set[str] = set()
         # Programs of one host's island are shared between tenants by weight (``worker.share``).
         self._share = share
+        # Files for the proxy and peers on this host (None: array bytes only in messages).
+        self._outbox = outbox
+        self._file_prefix = "".join(c if c.isalnum() or c in "-_." else "_" for c in key) + "-"
         self.lock = threading.RLock()
         self.arrays: dict[int, ArrayRecord] = {}
         self._uploads: dict[int, bytearray] = {}
@@ -117,6 +134,14 @@ class WorkerSession:
                     _LOGGER.debug("session %s: %s failed: %s", self.key, kind, failure.message)
 
     def _put(self, command: pb.Put) -> None:
+        if command.HasField("shared"):
+            try:
+                record = self._new(command.id, command.meta)
+            except RequestError:
+                shared_memory.discard(command.shared.path)
+                raise
+            self._store(record, command.meta, command.shared)
+            return
         if command.id not in self._uploads:
             record = self._new(command.id, command.meta)
             self._uploads[command.id] = bytearray()
@@ -127,8 +152,14 @@ class WorkerSession:
         if command.more:
             return
         del self._uploads[command.id]
+        self._store(record, command.meta, buffer)
+
+    def _store(self, record: ArrayRecord, meta: pb.ArrayMeta, data: bytes | bytearray | pb.SharedFile) -> None:
+        """Puts arrived bytes (or the shared file that holds them) on the devices as ``record``'s value."""
         try:
-            record.set(self.runtime.put(host_array(buffer, command.meta), record.sharding))
+            if isinstance(data, pb.SharedFile):
+                data = _take(data)
+            record.set(self.runtime.put(host_array(data, meta), sharding_from_proto(meta.sharding)))
         except RequestError as failure:
             record.fail(failure)
 
@@ -256,8 +287,28 @@ class WorkerSession:
         self._answer_when_ready(
             [record],
             command.request,
-            lambda: record.read(lambda value: self._send_bytes(command.request, self.runtime.to_host(value))),
+            lambda: record.read(lambda value: self._answer_bytes(command, value)),
         )
+
+    def _answer_bytes(self, command: pb.Fetch, value) -> None:
+        """Replies ``value``'s bytes: in a shared file if the proxy asked and one can be written, else in chunks."""
+        if command.shared_memory and self._outbox is not None and value.nbytes >= shared_memory.MIN_BYTES:
+            shared = self._write_shared(np.asarray(value))  # read while the record guards the value from deletion
+            if shared is not None:
+                self._reply(pb.Reply(request=command.request, shared=shared))
+                return
+        self._send_bytes(command.request, self.runtime.to_host(value))
+
+    def _write_shared(self, host: np.ndarray) -> pb.SharedFile | None:
+        """``host``'s row-major bytes in a new file of this worker's outbox (None if that failed)."""
+        data = memoryview(np.ascontiguousarray(host).reshape(-1).view(np.uint8))
+        path = self._outbox.write(self._file_prefix, data)
+        if path is None:
+            return None
+        if self.closed:  # nobody will take it
+            shared_memory.discard(path)
+            return None
+        return pb.SharedFile(path=str(path), size=data.nbytes)
 
     def _send_bytes(self, request: int, host: np.ndarray) -> None:
         data = memoryview(np.ascontiguousarray(host).reshape(-1).view(np.uint8))
@@ -318,7 +369,7 @@ class WorkerSession:
         def read():
             host = source.read(self.runtime.to_host)
             if start:
-                host = host[tuple(slice(a, b) for a, b in zip(start, stop, strict=True))]
+                host = host[region()]
             return np.ascontiguousarray(host)
 
         def header(error: RequestError | None = None) -> pb.ArrayChunk:
@@ -327,19 +378,42 @@ class WorkerSession:
                 chunk.error.code, chunk.error.message = error.code, error.message
             return chunk
 
+        def read_shared() -> pb.SharedFile | None:
+            if start:  # a region: one copy out of the device buffer, into the file
+                return source.read(lambda value: self._write_shared(np.asarray(value)[region()]))
+            return source.read(lambda value: self._write_shared(np.asarray(value)))
+
+        def region() -> tuple[slice, ...]:
+            return tuple(slice(a, b) for a, b in zip(start, stop, strict=True))
+
         def push():
             started = time.time()
+            chunk, host, way = header(), None, "over gRPC"
             try:
-                host = read()
+                if self._outbox is not None and self._outbox.shares_host(command.peer_host_key):
+                    shared = read_shared()
+                    if shared is not None:
+                        chunk.shared.CopyFrom(shared)
+                if not chunk.HasField("shared"):
+                    host = read()
             except Exception as error:  # noqa: BLE001 - the receiver's copy fails with it
-                self._push(command.peer_address, header(as_request_error(error)), lambda: None)
+                self._push(command.peer_address, header(as_request_error(error)), None)
                 return
-            self._push(command.peer_address, header(), lambda: host)
+            if chunk.HasField("shared"):
+                if self._push(command.peer_address, chunk, None):
+                    way = "through shared memory"
+                else:
+                    _LOGGER.debug("session %s: %s could not take a shared file; sending over gRPC", self.key, chunk)
+                    host = read()
+            if host is not None:
+                self._push(command.peer_address, header(), host)
+            nbytes = host.nbytes if host is not None else chunk.shared.size
             devices = sorted(d.id for d in source.value.devices())
-            self._events(event("transfer", f"to {command.peer_address}", devices, started, time.time(), host.nbytes))
+            name = f"to {command.peer_address} {way}"
+            self._events(event("transfer", name, devices, started, time.time(), nbytes))
 
         def on_error(error: RequestError) -> None:
-            self._push(command.peer_address, header(error), lambda: None)
+            self._push(command.peer_address, header(error), None)
 
         def pushed(_result, error: RequestError | None) -> None:
             if error is not None:
@@ -352,8 +426,8 @@ class WorkerSession:
         if record is None:
             self._new(command.id, command.meta)
 
-    def arrive(self, array_id: int, meta: pb.ArrayMeta, data: bytes | bytearray, error: pb.Status | None) -> None:
-        """An array pushed by another worker (possibly before its ``Expect``)."""
+    def arrive(self, array_id: int, meta: pb.ArrayMeta, data, error: pb.Status | None) -> None:
+        """An array pushed by another worker (possibly before its ``Expect``); ``data``: any buffer."""
         with self.lock:
             record = self.arrays.get(array_id) or self._new(array_id, meta)
             if record.ready:
@@ -363,10 +437,7 @@ class WorkerSession:
                 failure.code = error.code
                 record.fail(failure)
                 return
-            try:
-                record.set(self.runtime.put(host_array(data, meta), sharding_from_proto(meta.sharding)))
-            except RequestError as failure:
-                record.fail(failure)
+            self._store(record, meta, data)
 
     def _program_query(self, command: pb.ProgramQuery) -> None:
         program = self.programs.get(command.program)
@@ -396,6 +467,8 @@ class WorkerSession:
                 self._give_up_turn(key)
             arrays, self.arrays = self.arrays, {}
             self._uploads.clear()
+        if self._outbox is not None:
+            self._outbox.remove(self._file_prefix)  # replies the proxy will never take
         for record in arrays.values():
             if record.value is not None and not record.value.is_deleted():
                 record.delete()  # after any read of it under way on another thread

@@ -1,0 +1,222 @@
+"""Array bytes inside a cluster on one host: through shared memory, or over gRPC where it is turned off.
+
+Both paths run the same checks (uploads, downloads, copies between islands,
+arrays sharded over two devices; several dtypes, odd sizes, empty arrays),
+bitwise against numpy, each on a cluster of its own: one as it starts by
+default, one whose processes all have ``PATHWAYS_SHARED_MEMORY=0``. What
+each path really carried is observed where it happens: the bytes a proxy's
+stream to a worker moved each way, and the worker's own transfer events.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from pathways_nb import shared_memory
+from pathways_nb.cluster import LocalCluster
+from pathways_nb.events import EventLog
+from pathways_nb.observe import Observer
+from pathways_nb.protocol import dtypes
+from pathways_nb.protocol.errors import RequestError
+from pathways_nb.protocol.shardings import IfrtSharding
+from pathways_nb.proxy.cluster_runtime import ClusterRuntime
+from pathways_nb.rpc import cluster_pb2 as pb
+from pathways_nb.rpc import cluster_pb2_grpc
+from pathways_nb.rpc.convert import array_meta
+from pathways_nb.testing import python_process
+
+SHARED, GRPC = "shared memory", "gRPC"
+
+
+@pytest.fixture(scope="module", params=[SHARED, GRPC])
+def cluster(request):
+    """Two islands of two devices; with ``GRPC``, every process of it has shared memory turned off."""
+    saved = os.environ.get(shared_memory.ENABLE_ENV)
+    if request.param == GRPC:
+        os.environ[shared_memory.ENABLE_ENV] = "0"  # the children's environment is read at construction
+    try:
+        started = LocalCluster(islands=2, devices_per_host=2, start=False)
+    finally:
+        if saved is None:
+            os.environ.pop(shared_memory.ENABLE_ENV, None)
+        else:
+            os.environ[shared_memory.ENABLE_ENV] = saved
+    with started.start() as running:
+        running.path = request.param
+        yield running
+
+
+@pytest.fixture(scope="module")
+def proxy(cluster):
+    """A proxy's cluster runtime in this process (shared memory on), and one session on every device."""
+    runtime = ClusterRuntime(cluster.resource_manager.hostport, credentials=cluster.credentials)
+    session = runtime.open_session(1, {}, EventLog().sink("test"))
+    yield session
+    session.release()
+    runtime.close()
+
+
+def _link(session, device_id: int):
+    return session._link(session._device(device_id))
+
+
+def _finish(process: subprocess.Popen, timeout_s: float = 240) -> str:
+    out, err = process.communicate(timeout=timeout_s)
+    assert process.returncode == 0, f"client failed:\n{out}\n{err[-4000:]}"
+    return out
+
+
+ROUND_TRIPS = """
+    import sys, json, jax, numpy as np, ml_dtypes, pathways_nb
+    from jax.sharding import NamedSharding, Mesh, PartitionSpec as P
+    connection = pathways_nb.connect(sys.argv[1])
+    devices = jax.devices()
+    island0, island1 = devices[:2], devices[2:]
+    rng = np.random.default_rng(0)
+    cases = [
+        (np.float32, (1 << 20) + 3), (np.int8, (3 << 20) + 1), (np.uint16, 70001), (ml_dtypes.bfloat16, 99999),
+        (np.complex64, 40000), (np.bool_, 1 << 17), (np.int32, 7), (np.float32, 0),
+    ]
+    mismatches, transfers = [], 0
+    def same(name, got, want):
+        got = np.asarray(got)
+        if got.dtype != want.dtype or got.shape != want.shape or got.tobytes() != want.tobytes():
+            mismatches.append(name)
+    for dtype, size in cases:
+        high = 2 if dtype is np.bool_ else 256
+        want = rng.integers(0, high, size * np.dtype(dtype).itemsize, np.uint8).view(dtype)
+        name = f"{np.dtype(dtype).name}[{size}]"
+        on0 = jax.device_put(want, island0[0])
+        same(f"{name} up and down", on0, want)
+        same(f"{name} island 0 -> island 1", jax.device_put(on0, island1[1]), want)
+        transfers += 1
+        rows = np.arange(2 * 3 * (size // 6 + 1), dtype=np.int64).astype(dtype).reshape(-1, 3)
+        split0 = NamedSharding(Mesh(island0, ("x",)), P("x"))
+        split1 = NamedSharding(Mesh(island1, ("x",)), P("x"))
+        sharded = jax.device_put(rows, split0)
+        same(f"{name} sharded on island 0", sharded, rows)
+        same(f"{name} sharded, to island 1", jax.device_put(sharded, split1), rows)
+        transfers += 1  # the whole array, from its worker to the other
+        halves = [np.asarray(shard.data) for shard in sharded.addressable_shards]
+        same(f"{name} shards", np.concatenate(halves), rows)
+    print(json.dumps({"mismatches": mismatches, "transfers": transfers, "tenant": connection.tenant}))
+"""
+
+
+def test_client_round_trips_are_bitwise_equal(cluster):
+    result = json.loads(_finish(python_process(ROUND_TRIPS, cluster.address)))
+    assert result["mismatches"] == []
+    # Every copy between islands went the cluster's way, as its source worker reports it.
+    observer = Observer(cluster.address, cluster.token)
+    deadline = time.monotonic() + 10
+    while True:
+        names = [e.name for e in observer.events(result["tenant"]) if e.kind == "transfer"]
+        if len(names) >= result["transfers"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert len(names) == result["transfers"]
+    way = "through shared memory" if cluster.path == SHARED else "over gRPC"
+    assert all(name.endswith(way) for name in names), names
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.uint8, np.float64])
+def test_proxy_moves_bytes_the_clusters_way(proxy, cluster, dtype):
+    session = proxy
+    device = session.device_ids[0]
+    link = _link(session, device)
+    before = link.moved.copy()
+    big = np.random.default_rng(1).random(shared_memory.MIN_BYTES + 17).astype(dtype)
+    small = np.arange(5, dtype=dtype)
+    for host in (big, small, big[:0]):
+        back = session.to_host(session.put(host, IfrtSharding((device,))))
+        assert back.dtype == host.dtype and back.tobytes() == host.tobytes()
+    moved = link.moved - before
+    small_bytes = 2 * small.nbytes  # up and down; small arrays always ride in the messages
+    if cluster.path == SHARED:
+        assert moved == {SHARED: 2 * big.nbytes, GRPC: small_bytes}
+    else:
+        assert moved == {GRPC: 2 * big.nbytes + small_bytes}
+
+
+def test_sharded_array_on_two_devices_of_one_worker(proxy, cluster):
+    session = proxy
+    devices = session.device_ids[:2]
+    host = np.arange(4 * 40000, dtype=np.int32).reshape(4, 40000)
+    sharding = IfrtSharding(devices, op_sharding=_split_rows(2))
+    array = session.put(host, sharding)
+    assert session.to_host(array).tobytes() == host.tobytes()
+    shards = session.disassemble(array, sharding)
+    assert np.concatenate([session.to_host(s) for s in shards]).tobytes() == host.tobytes()
+
+
+def _split_rows(parts: int):
+    from pathways_nb.protocol import schema
+
+    op = schema.load().xla.OpSharding()
+    op.type = op.OTHER
+    op.tile_assignment_dimensions.extend([parts, 1])
+    op.tile_assignment_devices.extend(range(parts))
+    return op.SerializeToString()
+
+
+def test_a_file_outside_the_private_root_is_refused(proxy, cluster, tmp_path):
+    """A peer that names any other file gets a clear error (or a plea for the bytes), and the file stays."""
+    session = proxy
+    device = session.device_ids[0]
+    link = _link(session, device)
+    stranger = tmp_path / "not-shared"
+    stranger.write_bytes(bytes(4096))
+    meta = array_meta(dtypes.from_numpy(np.dtype(np.uint8)), (4096,), session._local(IfrtSharding((device,))))
+    array_id = link.new_id()
+    link.send(pb.Command(put=pb.Put(id=array_id, meta=meta, shared=pb.SharedFile(path=str(stranger), size=4096))))
+    with pytest.raises(RequestError, match="PATHWAYS_SHARED_MEMORY=0"):
+        link.fetch(array_id)
+    stub = cluster_pb2_grpc.WorkerStub(cluster.credentials.channel(link.address))
+    header = pb.ArrayChunk(
+        session=link.session_key, id=link.new_id(), meta=meta, shared=pb.SharedFile(path=str(stranger), size=4096)
+    )
+    assert stub.PushArray(iter([header]), timeout=10).not_shared
+    assert stranger.read_bytes() == bytes(4096)
+
+
+def test_no_file_is_left_behind(proxy, cluster):
+    """Every file a proxy or worker wrote was taken (and so removed) by its reader."""
+    session = proxy
+    host = np.ones(1 << 20, np.float32)
+    island0, island1 = IfrtSharding(session.device_ids[:1]), IfrtSharding(session.device_ids[2:3])
+    assert session.to_host(session.copy(session.put(host, island0), island1)).tobytes() == host.tobytes()
+    pids = {os.getpid()} | {w.process.pid for w in cluster.workers.values()} | {cluster.proxy.process.pid}
+    mine = [d for d in shared_memory.private_root().iterdir() if _owner(d) in pids]
+    if cluster.path == SHARED:
+        assert {d.name.split("-")[0] for d in mine} >= {"proxy", "worker"}  # they did use shared memory
+    else:
+        assert [d for d in mine if d.name.startswith("worker")] == []  # its workers never did
+    assert [f for d in mine for f in d.iterdir()] == []
+
+
+def _owner(directory) -> int:
+    parts = directory.name.rsplit("-", 2)
+    return int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else -1
+
+
+def test_directories_of_dead_processes_are_reaped():
+    root = shared_memory.private_root()
+    finished = psutil.Popen(["true"])
+    finished.wait()
+    dead = root / f"worker-{finished.pid}-reaptest"
+    dead.mkdir()
+    (dead / "left-over").write_bytes(b"x")
+    alive = root / f"worker-{os.getpid()}-reaptest"
+    alive.mkdir()
+    try:
+        shared_memory.reap_stale()  # (another process starting now may reap it first: the same outcome)
+        assert not dead.exists() and alive.exists()
+    finally:
+        alive.rmdir()
