@@ -20,10 +20,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import queue
 import threading
 import uuid
 import weakref
 from collections.abc import Sequence
+from concurrent.futures import Future, wait
 from typing import Any
 
 import grpc
@@ -92,6 +94,9 @@ class ClusterRuntime:
         self._closed = False
         self._watcher = threading.Thread(target=self._watch, name="pathways-cluster-watch", daemon=True)
         self._watcher.start()
+        # Programs no one can run any more (see ``compile``): (hosts, worker incarnation -> program id).
+        self._dropped: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._forget_forever, name="pathways-forget-programs", daemon=True).start()
 
     # -- cluster state ---------------------------------------------------------------------
 
@@ -219,8 +224,51 @@ class ClusterRuntime:
             local_device_ids=tuple(local_ids),
         )
         with self._lock:
-            self._compiled[program] = {worker.incarnation: program_id}
+            known = self._compiled[program] = {worker.incarnation: program_id}
+        # Once no session handle, compile-cache entry or running request holds the program, its
+        # workers drop it too (their table of programs would only grow otherwise).
+        weakref.finalize(program, self._dropped.put, (program.hosts, known))
         return program
+
+    def _forget_forever(self) -> None:
+        """Tells workers to drop the programs no one can run any more, in batches."""
+        while True:
+            dropped = [self._dropped.get()]
+            while not self._dropped.empty():
+                dropped.append(self._dropped.get())
+            if self._closed:
+                return
+            try:
+                self._forget(dropped)
+            except Exception:
+                _LOGGER.exception("telling workers to forget programs failed")
+
+    def _forget(self, dropped: list) -> None:
+        """Sends ``ForgetProgram`` once each worker has taken in every command sent to it before.
+
+        An ``Execute`` of the program may still be on its way on a session's stream (the stream
+        ``ForgetProgram`` goes on is another): an empty ``Wait`` on each such stream answers only
+        after the worker has read all that came before it.
+        """
+        by_worker: dict[str, tuple[pb.Device, list[int]]] = {}
+        for hosts, known in filter(None, dropped):
+            for host in hosts:
+                state = self.worker(host.worker_id)
+                program_id = known.get(state.incarnation) if state is not None and state.healthy else None
+                if program_id is None:
+                    continue  # not compiled there, or that worker restarted (and forgot it with its process)
+                if host.worker_id not in by_worker:
+                    current = pb.Device()
+                    current.CopyFrom(host)
+                    current.incarnation, current.worker_address = state.incarnation, state.address
+                    by_worker[host.worker_id] = (current, [])
+                by_worker[host.worker_id][1].append(program_id)
+        for worker_id, (device, program_ids) in by_worker.items():
+            taken_in = [f for session in list(self._sessions) if (f := session.taken_in(worker_id)) is not None]
+            wait(taken_in, timeout=30)  # a stream that breaks meanwhile took its worker's session with it
+            link = self.control_link(device)
+            for program_id in program_ids:
+                link.send(pb.Command(forget_program=pb.ForgetProgram(program=program_id)))
 
     def query(self, worker: pb.Device, command: pb.Command, field: str) -> pb.Reply:
         return self.control_link(worker).request(command, field).result()
@@ -239,6 +287,7 @@ class ClusterRuntime:
     def close(self) -> None:
         """Ends every session's leases and streams; anything waiting on a worker fails."""
         self._closed = True
+        self._dropped.put(None)
         for session in list(self._sessions):
             session.release()
         for link in self._control.values():
@@ -387,6 +436,17 @@ class ClusterSession:
             global_ids = [self._global_ids.get((link.worker_id, d), -1) for d in recorded.device_ids]
             recorded.device_ids[:] = [d for d in global_ids if d >= 0]
             self.events(recorded)
+
+    def taken_in(self, worker_id: str) -> Future | None:
+        """Done once the worker has read every command this session sent it so far (None: no open stream)."""
+        with self._lock:
+            link = self._links.get(worker_id)
+        if link is None or not link.alive:
+            return None
+        try:
+            return link.request(pb.Command(wait=pb.Wait()), "wait")
+        except RequestError:
+            return None
 
     def worker_down(self, worker: pb.WorkerState) -> None:
         """The resource manager declared a worker dead: fail this session's stream to it now."""

@@ -1,0 +1,138 @@
+"""A worker forgets the programs no client can run any more, and only those.
+
+A proxy in this process (with a compile cache of 2 programs) serves a real
+cluster; real jax clients compile and destroy programs through it. What the
+worker holds is read from the worker itself: a ``ProgramQuery`` for each id the
+proxy ever gave a program answers NOT_FOUND once the worker forgot it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pathways_nb.cluster import LocalCluster
+from pathways_nb.protocol.errors import RequestError
+from pathways_nb.proxy.cluster_runtime import ClusterRuntime
+from pathways_nb.proxy.context import ProxyLimits
+from pathways_nb.proxy.server import ProxyServer
+from pathways_nb.rpc import cluster_pb2 as pb
+from pathways_nb.testing import python_process
+
+# Both clients compile ``SHARED`` (the same program: one compile, shared through the proxy's cache).
+CLIENT = """
+    import gc, sys, jax, numpy as np, pathways_nb
+    address, token, churn = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    pathways_nb.connect(address, token=token)
+    x = jax.device_put(np.arange(8, dtype=np.float32), jax.devices()[0])
+
+    def shared():
+        return jax.jit(lambda v: v * 3 + 1).lower(x).compile()
+
+    def step(i):
+        return jax.jit(lambda v: v * 2 + i).lower(x).compile()  # a distinct program for each i
+
+    kept = shared()
+    print(np.asarray(kept(x)).tolist(), flush=True)
+    for i in range(churn):
+        assert np.asarray(step(i)(x)).tolist() == (np.arange(8) * 2 + i).tolist()
+    gc.collect()
+    print("churned", flush=True)
+    for command in iter(sys.stdin.readline, ""):
+        if command.strip() == "run":
+            print(np.asarray(kept(x)).tolist(), flush=True)
+        elif command.strip() == "drop":
+            del kept
+            gc.collect()
+            print("dropped", flush=True)
+        elif command.strip() == "recompile":
+            kept = shared()
+            print(np.asarray(kept(x)).tolist(), flush=True)
+"""
+EXPECTED = str([float(v * 3 + 1) for v in range(8)])
+CACHE = 2
+
+
+@pytest.fixture(scope="module")
+def served():
+    """A one-device cluster, and a proxy of this process serving it (so the test can read its ids)."""
+    with LocalCluster(islands=1, devices_per_host=1) as cluster:
+        runtime = ClusterRuntime(cluster.resource_manager.hostport, credentials=cluster.credentials)
+        server = ProxyServer(runtime, limits=ProxyLimits(compile_cache_entries=CACHE), credentials=cluster.credentials)
+        try:
+            yield cluster, server, runtime
+        finally:
+            server.stop()
+
+
+def _held(runtime: ClusterRuntime, first_id: int) -> set[int]:
+    """The ids, of all this proxy gave out since ``first_id``, that the worker still holds."""
+    device = next(d for d in runtime.cluster_state().devices)
+    last_id = next(runtime._program_ids)
+    held = set()
+    for program_id in range(first_id, last_id):
+        command = pb.Command(program_query=pb.ProgramQuery(program=program_id))
+        try:
+            runtime.query(device, command, "program_query")
+        except RequestError as error:
+            assert "is not compiled on this worker" in error.message, error.message
+            continue
+        held.add(program_id)
+    return held
+
+
+def _settled(runtime: ClusterRuntime, first_id: int, done, timeout_s: float = 30) -> set[int]:
+    """What the worker holds once ``done(held)`` (the client's destructs take a moment to arrive)."""
+    deadline = time.monotonic() + timeout_s
+    while not done(held := _held(runtime, first_id)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return held
+
+
+def _client(cluster: LocalCluster, server: ProxyServer, churn: int):
+    client = python_process(CLIENT, server.address, cluster.token, str(churn))
+    assert client.stdout.readline().strip() == EXPECTED, client.stderr.read()[-3000:]
+    assert client.stdout.readline().strip() == "churned", client.stderr.read()[-3000:]
+    return client
+
+
+def _ask(client, command: str) -> str:
+    client.stdin.write(command + "\n")
+    client.stdin.flush()
+    return client.stdout.readline().strip()
+
+
+def test_destroyed_programs_are_forgotten_and_programs_in_use_are_not(served):
+    cluster, server, runtime = served
+    first_id = next(runtime._program_ids)
+    # Each client's first compile is the same program (on the worker: one executable, two ids).
+    keepers, churners = first_id + 1, first_id + 2
+    keeper = _client(cluster, server, churn=0)
+    churner = _client(cluster, server, churn=30)
+    try:
+        # 32 programs were compiled; the churner destroyed 30 of them. The worker keeps the two
+        # handles on the shared one and the 2 programs the proxy's compile cache still holds.
+        held = _settled(runtime, first_id, lambda held: len(held) <= 2 + CACHE)
+        assert {keepers, churners} <= held and len(held) <= 2 + CACHE, held
+        # The churner's session ends: its handle goes, the keeper's stays and runs (no compile).
+        churner.stdin.close()
+        assert churner.wait(timeout=60) == 0, churner.stderr.read()[-3000:]
+        held = _settled(runtime, first_id, lambda held: churners not in held)
+        assert keepers in held and churners not in held, held
+        before = next(runtime._program_ids)
+        assert _ask(keeper, "run") == EXPECTED
+        assert next(runtime._program_ids) == before + 1
+        # Dropped by its last holder (and long out of the cache of 2): forgotten.
+        assert _ask(keeper, "drop") == "dropped"
+        held = _settled(runtime, first_id, lambda held: keepers not in held)
+        assert keepers not in held and len(held) <= CACHE, held
+        # Compiling it again after the worker forgot it works.
+        assert _ask(keeper, "recompile") == EXPECTED
+        assert _ask(keeper, "run") == EXPECTED
+    finally:
+        for client in (keeper, churner):
+            client.kill()
+            client.wait()
+            for pipe in (client.stdin, client.stdout, client.stderr):
+                pipe.close()
