@@ -123,7 +123,7 @@ def test_clients_of_two_proxies_interleave_collectives_without_deadlock(two_by_t
     try:
         addresses = [two_by_two.address, second.address] * 2
         clients = [
-            python_process(COLLECTIVES, address, two_by_two.token, f"tenant-{i}", str(10 * i), "12")
+            python_process(COLLECTIVES, address, two_by_two.token, f"tenant-{i}", str(10 * i), "20")
             for i, address in enumerate(addresses)
         ]
         results = []
@@ -190,6 +190,59 @@ def test_a_dead_host_fails_its_island_clearly_and_the_island_forms_again(two_by_
     finally:
         client.kill()
         client.communicate()
+
+
+MID_COLLECTIVE = """
+    import json, sys, time, jax, jax.numpy as jnp, numpy as np, pathways_nb
+    from functools import partial
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.experimental.shard_map import shard_map
+    pathways_nb.connect(sys.argv[1], token=sys.argv[2])
+    mesh = Mesh(np.array([d for d in jax.devices("proxy") if d.slice_index == 1]), ("x",))
+
+    ring = [(i, (i + 1) % 4) for i in range(4)]
+
+    def many_collectives(v):                          # one program of 40 cross-host collectives
+        return jax.lax.fori_loop(0, 40, lambda _, a: jax.lax.ppermute(a, "x", ring), v)
+
+    step = jax.jit(partial(shard_map, mesh=mesh, in_specs=P("x"), out_specs=P("x"))(many_collectives))
+    rows = NamedSharding(mesh, P("x"))
+    outcomes, started = [], time.monotonic()
+    while time.monotonic() - started < 90:
+        began = time.monotonic()
+        try:
+            value = float(np.asarray(step(jax.device_put(np.ones((4, 256), np.float32), rows)))[0, 0])
+            outcomes.append({"ok": value == 1.0, "s": time.monotonic() - began})
+        except Exception as error:
+            outcomes.append({"error": str(error)[:300], "s": time.monotonic() - began})
+            time.sleep(0.1)
+        if len(outcomes) == 20:
+            print("running", flush=True)              # the test kills a host of the island now
+        failed = [i for i, o in enumerate(outcomes) if "error" in o]
+        if failed and len(outcomes) - failed[-1] > 5:
+            break                                     # failed, then served again five times
+    print(json.dumps(outcomes))
+"""
+
+
+def test_a_host_killed_mid_collective_fails_programs_without_a_hang_and_the_island_serves_again(two_by_two):
+    """The surviving host is inside collectives that wait for the dead one: errors come, not a hang."""
+    client = python_process(MID_COLLECTIVE, two_by_two.address, two_by_two.token)
+    try:
+        assert client.stdout.readline().strip() == "running"
+        os.kill(two_by_two.workers[(1, 1)].process.pid, signal.SIGKILL)
+        out, err = client.communicate(timeout=150)
+        assert client.returncode == 0, err[-4000:]
+    finally:
+        client.kill()
+    outcomes = json.loads(out.strip().splitlines()[-1])
+    errors = [o for o in outcomes if "error" in o]
+    assert errors, "no program failed after the kill"
+    assert all("DATA_LOSS" in o["error"] and "island 1 host" in o["error"] for o in errors), errors
+    assert max(o["s"] for o in errors) < 30, errors  # each failure is reported, none hangs
+    after = outcomes[outcomes.index(errors[-1]) + 1 :]
+    assert len(after) >= 5 and all(o.get("ok") for o in after), outcomes[-10:]
+    assert all(o.get("ok") for o in outcomes[:20]), outcomes[:20]
 
 
 CHAIN = """

@@ -41,7 +41,7 @@ from pathways_nb.protocol.errors import (
 )
 from pathways_nb.protocol.layouts import LayoutBook
 from pathways_nb.protocol.shardings import IfrtSharding
-from pathways_nb.proxy.remote_arrays import MultiHostArray, RemoteArray, ShardedRemoteArray
+from pathways_nb.proxy.remote_arrays import MultiHostArray, RemoteArray, ShardedRemoteArray, explain_failure
 from pathways_nb.proxy.worker_link import WorkerLink, WorkerLost
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
@@ -430,6 +430,11 @@ class ClusterSession:
             self._links[device.worker_id] = link
             return link
 
+    def _island_links(self, island: int) -> list[WorkerLink]:
+        """This session's links to the hosts of ``island``."""
+        with self._lock:
+            return [link for link in self._links.values() if link.island == island]
+
     def _worker_events(self, link: WorkerLink, events: list[pb.Event]) -> None:
         """Events a worker reported, in the cluster's device ids."""
         for recorded in events:
@@ -609,7 +614,10 @@ class ClusterSession:
             for part, index in zip(value.parts, value.sharding.shard_indices(value.shape), strict=True):
                 host[index] = self.to_host(part)
             return host
-        data = value.link.fetch(value.array_id)
+        try:
+            data = value.link.fetch(value.array_id)
+        except RequestError as error:
+            raise explain_failure(error, self._island_links(value.link.island)) from None
         return np.frombuffer(data, dtypes.to_numpy(value.kind)).reshape(value.shape)
 
     # -- programs --------------------------------------------------------------------------

@@ -7,10 +7,12 @@ handlers do not care where the devices are.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
+from pathways_nb.protocol.errors import RequestError
 from pathways_nb.protocol.shardings import IfrtSharding
-from pathways_nb.proxy.worker_link import WorkerLink
+from pathways_nb.proxy.worker_link import WorkerLink, WorkerLost
 from pathways_nb.rpc import cluster_pb2 as pb
 
 
@@ -81,6 +83,11 @@ class ShardedRemoteArray(_PartedArray):
     __slots__ = ()
 
 
+# How long a failed read of a multi-host array waits to learn that one of its hosts is gone (a broken
+# link first waits up to worker_link._CAUSE_WAIT_S for the cause of the loss).
+_LOSS_WAIT_S = 2.0
+
+
 class MultiHostArray(_PartedArray):
     """An array of an island of several hosts: each host holds its part of one island-wide array.
 
@@ -90,3 +97,27 @@ class MultiHostArray(_PartedArray):
     """
 
     __slots__ = ()
+
+    def block_until_ready(self):
+        try:
+            return super().block_until_ready()
+        except RequestError as error:
+            raise explain_failure(error, [part.link for part in self.parts]) from None
+
+
+def explain_failure(error: RequestError, island_links: Sequence[WorkerLink]) -> RequestError:
+    """The error to report for a failed read on an island: the loss of one of its hosts, if that is the cause.
+
+    When a host dies mid-collective, the other hosts' results fail with the transport's own
+    error (gloo: "Connection reset by peer"), which names neither island nor host. The dead
+    host's link says which host, and why, within moments of the death.
+    """
+    if isinstance(error, WorkerLost) or len(island_links) < 2:
+        return error
+    deadline = time.monotonic() + _LOSS_WAIT_S
+    while time.monotonic() < deadline:
+        lost = next((link.lost for link in island_links if link.lost is not None), None)
+        if lost is not None:
+            return lost
+        time.sleep(0.01)
+    return error

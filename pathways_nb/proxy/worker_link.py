@@ -97,6 +97,11 @@ class WorkerLink:
     def alive(self) -> bool:
         return self._error is None and not self._closed
 
+    @property
+    def lost(self) -> WorkerLost | None:
+        """Why the worker is gone (its host, island and cause), or None while it serves."""
+        return self._error
+
     def new_id(self) -> int:
         return next(self._ids)
 
