@@ -5,6 +5,10 @@ Installed as an entry point of the ``jax_plugins`` group, so that
 with no import. ``initialize()`` registers the backend only when ``proxy`` is
 among the requested platforms: an unconditional registration would make JAX
 try (and log about) the proxy in every plain local program.
+
+When the first proxy client of a process has its server on this host, large
+uploads go through shared memory (the client's large-transfer mode, which it
+reads from two variables once per process): see ``_shared_uploads``.
 """
 
 from __future__ import annotations
@@ -16,9 +20,23 @@ PLATFORM = "proxy"
 TIMEOUT_ENV = "PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS"
 INSECURE_ENV = "IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS"
 DEFAULT_TIMEOUT_S = 60.0
+# The stock client's large-transfer mode: buffers of THRESHOLD bytes and up are written to
+# DIRECTORY/lt_<handle> and the server reads them from there (HostBufferReadFromDisk).
+THRESHOLD_ENV = "IFRT_PROXY_GRPC_LARGE_TRANSFER_OPTIMIZATION_THRESHOLD_BYTES"
+DIRECTORY_ENV = "IFRT_PROXY_GRPC_LARGE_TRANSFER_OPTIMIZATION_DIRECTORY"
+# Smaller buffers stay on gRPC: below this, a file costs more than the stream saves.
+SHARED_MEMORY_THRESHOLD_BYTES = 1 << 20
+_SHARED_PURPOSE = "ifrt"
+# How long the probe for the server's host may take (a server that is not ours answers at once).
+PROBE_TIMEOUT_S = 5.0
 
-# Set by pathways_nb.connect: what this process asks of the cluster (None: the defaults).
+# Set by pathways_nb.connect: what this process asks of the cluster (None: the defaults),
+# and the cluster token its observe API wants (None: $PATHWAYS_CLUSTER_TOKEN).
 session_options = None
+observe_token = None
+# This process's shared-memory uploads, once its first client turned them on.
+_uploads = None
+_first_client = True
 
 
 def _requested_platforms() -> list[str]:
@@ -77,8 +95,95 @@ def make_client():
     from pathways_nb.session_options import SessionOptions
 
     requested = session_options if session_options is not None else SessionOptions.from_environment()
-    if requested is not None:
-        options.initialization_data = requested.to_initialization_data()
+    initialization_data = requested.to_initialization_data() if requested is not None else {}
+    initialization_data.update(_shared_uploads(target, min(PROBE_TIMEOUT_S, connection_timeout_s())))
+    if initialization_data:
+        options.initialization_data = initialization_data
     # No on_disconnect callback: the client calls it from its destructor, which at interpreter
     # exit runs after Python can no longer be entered, and the process aborts.
     return ifrt_proxy.get_client(target, options)
+
+
+class _SharedUploads:
+    """This process's upload directory (private, 0700), and what proves it to the server."""
+
+    def __init__(self, key: str):
+        import secrets
+
+        from pathways_nb import shared_memory
+
+        self.key = key
+        self.directory = shared_memory.SharedDirectory(_SHARED_PURPOSE)
+        self.secret = secrets.token_hex(16)
+        self.directory.write("owner", self.secret.encode())
+
+    def attributes(self) -> dict[str, bytes]:
+        from pathways_nb import session_options as names
+
+        return {
+            names.SHARED_DIRECTORY: os.fsencode(self.directory.path),
+            names.SHARED_SECRET: self.secret.encode(),
+            names.SHARED_HOST: self.key.encode(),
+        }
+
+
+def _shared_uploads(target: str, timeout_s: float) -> dict[str, bytes]:
+    """The initialization data naming this process's upload directory, where ``target`` can read it.
+
+    The client reads its large-transfer variables once, at the first client of
+    the process, so that client decides for the process's life: shared memory
+    is on if its server says (``Observe.GetHost``) it runs on this host, and
+    ``PATHWAYS_SHARED_MEMORY=0`` or variables the user set keep it off. Once on,
+    a client for a server elsewhere is refused here, since that server could not
+    read the uploads; once off, every client uses gRPC.
+    """
+    global _uploads, _first_client
+    from pathways_nb import session_options as names
+    from pathways_nb import shared_memory
+
+    first, _first_client = _first_client, False
+    if _uploads is not None:
+        if _server_key(target, timeout_s) == _uploads.key:
+            return _uploads.attributes()
+        raise RuntimeError(
+            f"the server at {target} is not on this host, and this process sends uploads of "
+            f"{SHARED_MEMORY_THRESHOLD_BYTES} bytes and more through shared memory, which it cannot read (the IFRT "
+            "client fixes this at a process's first connection). Connect from a new process (restart the kernel), "
+            f"or set {shared_memory.ENABLE_ENV}=0 before the first connection"
+        )
+    if not first:
+        return {}
+    inherited = shared_memory.contains(os.environ.get(DIRECTORY_ENV, "/"))
+    if inherited:  # a pathways-nb parent's directory: never this process's (handles would collide)
+        del os.environ[DIRECTORY_ENV]
+        os.environ.pop(THRESHOLD_ENV, None)
+    if THRESHOLD_ENV in os.environ or DIRECTORY_ENV in os.environ:
+        return {}  # the user's own large-transfer settings
+    key = names.shared_memory_key()
+    if not key or _server_key(target, timeout_s) != key:
+        return {}
+    try:
+        _uploads = _SharedUploads(key)
+    except OSError:
+        return {}
+    os.environ[DIRECTORY_ENV] = str(_uploads.directory.path)
+    os.environ[THRESHOLD_ENV] = str(SHARED_MEMORY_THRESHOLD_BYTES)
+    return _uploads.attributes()
+
+
+def _server_key(target: str, timeout_s: float) -> str:
+    """The server's ``shared_memory_key()``; empty if it does not say (not ours, or not reachable)."""
+    import grpc
+
+    from pathways_nb.rpc import cluster_pb2, cluster_pb2_grpc
+    from pathways_nb.security import ClusterCredentials, token_from_env
+
+    credentials = ClusterCredentials(token=observe_token or token_from_env())
+    channel = credentials.channel(target.removeprefix("grpc://"))
+    try:
+        stub = cluster_pb2_grpc.ObserveStub(channel)
+        return stub.GetHost(cluster_pb2.GetHostRequest(), timeout=timeout_s, wait_for_ready=True).shared_memory_key
+    except grpc.RpcError:
+        return ""
+    finally:
+        channel.close()

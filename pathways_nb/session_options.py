@@ -23,6 +23,26 @@ TENANT, EXCLUSIVE, DEVICES, ISLANDS, TIMEOUT, SECRET, WEIGHT = (
 )
 # For plain ``JAX_PLATFORMS=proxy`` programs, which never call ``pathways_nb.connect``.
 TENANT_ENV, WEIGHT_ENV = "PATHWAYS_TENANT", "PATHWAYS_WEIGHT"
+# Shared-memory uploads (jax_plugin): the client's upload directory, the secret in its ``owner``
+# file (proves the proxy sees the client's files), and ``shared_memory_key()`` of the client.
+SHARED_DIRECTORY, SHARED_SECRET, SHARED_HOST = (
+    "pathways_shared_directory",
+    "pathways_shared_secret",
+    "pathways_shared_host",
+)
+
+
+def shared_memory_key() -> str:
+    """sha256 of ``shared_memory.host_key()`` (empty if none): equal for a client and a proxy of one host.
+
+    A digest, so that what the proxy tells callers names no boot id, namespace or user.
+    """
+    import hashlib
+
+    from pathways_nb import shared_memory
+
+    key = shared_memory.host_key()
+    return hashlib.sha256(key.encode()).hexdigest() if key else ""
 
 
 def default_tenant() -> str:

@@ -8,14 +8,33 @@ fails after the upload time-out with an error that names the handle.
 Every byte a session holds here counts against its host-buffer quota:
 an upload from the moment it starts (``reserve``, before any memory is
 allocated), a stored buffer until it is taken, deleted or the session ends.
+
+A client on the proxy's host may upload through shared memory instead
+(``HostBufferReadFromDisk``): it writes ``<its directory>/lt_<handle>`` and the
+proxy maps that file (``read_from_disk``). The session accepts the directory
+the client names only if it lies in this user's private root and holds the
+secret the client sent (docs/design.md, "Shared-memory transfers").
 """
 
 from __future__ import annotations
 
+import hmac
+import os
+import stat
 import threading
+from pathlib import Path
 
+from pathways_nb import session_options, shared_memory
 from pathways_nb.dataflow import Pending
-from pathways_nb.protocol.errors import DeadlineExceeded, InvalidRequest, NotFound, RequestError, Unavailable
+from pathways_nb.protocol.errors import (
+    DataLoss,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidRequest,
+    NotFound,
+    RequestError,
+    Unavailable,
+)
 from pathways_nb.proxy.context import Quota
 from pathways_nb.proxy.deadlines import Deadlines
 
@@ -34,6 +53,59 @@ class HostBuffers:
         # Uploads that arrived but could not be kept (over the quota), until a request takes them.
         self._failed: dict[int, RequestError] = {}
         self._closed_reason: str | None = None
+        # The client's shared upload directory, once accepted; else why not.
+        self._shared_directory: Path | None = None
+        self._shared_refusal = "the client named no shared directory"
+
+    def use_shared_directory(self, attributes: dict) -> None:
+        """Accepts the upload directory the client named in its session options, if it is provably shared."""
+        named = _text(attributes.get(session_options.SHARED_DIRECTORY))
+        if not named:
+            return
+        directory = Path(named)
+        own_key = session_options.shared_memory_key()
+        if not own_key:
+            self._shared_refusal = f"this server takes nothing through shared memory ({shared_memory.ENABLE_ENV}=0 "
+            self._shared_refusal += "or no private shared-memory directory on its host)"
+        elif _text(attributes.get(session_options.SHARED_HOST)) != own_key:
+            self._shared_refusal = "the client runs on another host"
+        elif not shared_memory.contains(directory) or not _holds_secret(
+            directory, _text(attributes.get(session_options.SHARED_SECRET)).encode()
+        ):
+            self._shared_refusal = f"{directory} is not a private directory of the client's that this server sees"
+        else:
+            self._shared_directory = directory
+
+    def read_from_disk(self, handle: int, size: int) -> None:
+        """Keeps the client's file ``lt_<handle>`` (``size`` bytes, mapped, then removed) under ``handle``.
+
+        Never raises: the stock client drops its whole session when this RPC fails, so a problem of
+        one buffer (its file, the quota, a refused directory) fails the array made from it instead.
+        """
+        directory = self._shared_directory
+        try:
+            if directory is None:
+                raise FailedPrecondition(
+                    f"host buffer {handle} was sent through a shared directory, but this session has none "
+                    f"({self._shared_refusal}). The IFRT client decides this once per process, from "
+                    "IFRT_PROXY_GRPC_LARGE_TRANSFER_OPTIMIZATION_THRESHOLD_BYTES: unset it, or set "
+                    f"{shared_memory.ENABLE_ENV}=0, before the process first connects"
+                )
+            path = directory / f"lt_{handle}"
+            try:
+                if size < 0:
+                    raise InvalidRequest(f"negative buffer size {size} for host buffer {handle}")
+                reserved = self.reserve(size, f"the upload of host buffer {handle}")
+                try:
+                    data = shared_memory.take(path, size)
+                except shared_memory.NotShared as e:
+                    self.release(reserved)
+                    raise DataLoss(f"host buffer {handle} could not be read from shared memory: {e}") from None
+                self.store(handle, data, reserved)
+            finally:
+                path.unlink(missing_ok=True)  # not taken: nobody else removes it
+        except RequestError as e:
+            self.fail(handle, e)
 
     def reserve(self, nbytes: int, for_what: str) -> int:
         """Counts ``nbytes`` against the quota before they are allocated (RESOURCE_EXHAUSTED if over it)."""
@@ -141,3 +213,27 @@ class HostBuffers:
                 "Retry the transfer, or raise the server's --host_buffer_timeout"
             )
         )
+
+
+def _text(value) -> str:
+    """An attribute the client sent as a string (``attributes.to_dict`` decodes them; raw bytes too)."""
+    if value is None:
+        return ""
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def _holds_secret(directory: Path, secret: bytes) -> bool:
+    """Whether ``directory/owner`` is a file of this user holding ``secret``: the client's directory, seen here."""
+    if not secret:
+        return False
+    try:
+        descriptor = os.open(directory / "owner", os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        info = os.fstat(descriptor)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_size > 256:
+            return False
+        return hmac.compare_digest(os.read(descriptor, 256), secret)
+    finally:
+        os.close(descriptor)

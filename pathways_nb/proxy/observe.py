@@ -6,7 +6,7 @@ import asyncio
 
 import grpc
 
-from pathways_nb import __version__
+from pathways_nb import __version__, session_options
 from pathways_nb.protocol.errors import RequestError
 from pathways_nb.proxy.context import ProxyContext
 from pathways_nb.proxy.service import IfrtProxyService
@@ -35,6 +35,10 @@ class ObserveService(cluster_pb2_grpc.ObserveServicer):
                 "a client ends only its own sessions",
             )
         return pb.EndSessionsResponse(ended=self.service.end_tenant(request.tenant, request.secret.encode()))
+
+    async def GetHost(self, request, context):
+        """Where this proxy runs: a client whose own key is the same uploads through shared memory."""
+        return pb.HostInfo(shared_memory_key=session_options.shared_memory_key())
 
     async def WatchEvents(self, request, context):
         """Events after ``request.after``, then new ones, polled a few times a second."""

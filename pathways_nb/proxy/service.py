@@ -32,7 +32,12 @@ _LOGGER = logging.getLogger(__name__)
 SERVICE_NAME = "xla.ifrt.proxy.GrpcIfrtService"
 SESSION_METADATA_KEY = "ifrt-proxy-grpc-ifrt-session-metadata-bin"
 STORE_METADATA_KEY = "ifrt-proxy-grpc-host-buffer-store-metadata-bin"
-CHUNK_BYTES = 1 << 20
+# Downloads go out in messages of at most 4 MiB. The stock client takes any size (its channels set
+# no receive limit: client/grpc_client_session.cc CreateGrpcStub) and joins the messages into one
+# buffer, so fewer messages are not fewer copies; but 4 MiB is gRPC's default receive limit, which
+# other clients keep, and messages of 32 MiB and more are fresh mappings on both sides (glibc's
+# largest mmap threshold): 64 MiB ones cost twice the CPU of 1-4 MiB ones (measured, page faults).
+LOOKUP_CHUNK_BYTES = (4 << 20) - 16  # room for the message's tag and length
 
 _GRPC_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -115,6 +120,7 @@ class IfrtProxyService:
             send=outbox.put,
             init_attributes=attributes.to_dict(metadata.initialization_data),
         )
+        session.host_buffers.use_shared_directory(session.init_attributes)
         with self._sessions_lock:
             self._sessions[session_id] = session
             self._outboxes[session_id] = outbox
@@ -268,9 +274,9 @@ class IfrtProxyService:
             return
         name = f"{data.nbytes >> 20} MiB from the server"
         with self.context.activities.track("download", name, session.tenant, data.nbytes) as progress:
-            for start in range(0, data.nbytes, CHUNK_BYTES):
-                yield data_messages.encode(data[start : start + CHUNK_BYTES])
-                progress.bytes_done = min(start + CHUNK_BYTES, data.nbytes)
+            for start in range(0, data.nbytes, LOOKUP_CHUNK_BYTES):
+                yield data_messages.encode(data[start : start + LOOKUP_CHUNK_BYTES])
+                progress.bytes_done = min(start + LOOKUP_CHUNK_BYTES, data.nbytes)
 
     async def HostBufferDelete(self, request, context):
         session = await self._session(request.session_id, context)
@@ -281,11 +287,11 @@ class IfrtProxyService:
         return self.messages.proxy.GrpcHostBufferDeleteResponse()
 
     async def HostBufferReadFromDisk(self, request, context):
-        await context.abort(
-            grpc.StatusCode.FAILED_PRECONDITION,
-            "this server does not read host buffers from a shared directory; unset "
-            "IFRT_PROXY_GRPC_LARGE_TRANSFER_OPTIMIZATION_THRESHOLD_BYTES on the client",
-        )
+        """An upload the client wrote to its shared directory (a client on this host; see host_buffers)."""
+        metadata = request.metadata
+        session = await self._session(metadata.session_id, context)
+        session.host_buffers.read_from_disk(metadata.handle, metadata.buffer_size)
+        return self.messages.proxy.GrpcHostBufferReadFromDiskResponse()
 
     # -- wiring ----------------------------------------------------------------------------
 

@@ -213,14 +213,19 @@ class WorkerSession:
         keep = frozenset(command.keep)
         arrived = time.time()
 
-        def dispatch() -> list:
-            return self._dispatch(program, args, results, keep, arrived)
-
         if self._share is None:
-            self._derive(args, results, dispatch)
-        else:
-            tenant, weight = command.tenant or self.key, command.weight or 1.0
-            self._derive(args, results, lambda: self._share.submit(tenant, weight, dispatch))
+            self._derive(args, results, lambda: self._dispatch(program, args, results, keep, arrived))
+            return
+        tenant, weight = command.tenant or self.key, command.weight or 1.0
+
+        def dispatch() -> list:
+            return self._dispatch(program, args, results, keep, arrived, timed=False)
+
+        def finished(start: float, end: float, failed: bool) -> None:
+            # The share follows the program anyway: it reports the execution, no timer thread does.
+            self._events(event("execute", program.name, program.device_ids, start, end, failed=failed))
+
+        self._derive(args, results, lambda: self._share.submit(tenant, weight, dispatch, program.device_ids, finished))
 
     def _execute_in_island_order(self, command: pb.Execute) -> None:
         """This host's part of a program that spans the island: dispatched at its turn in the island's order.
@@ -258,8 +263,13 @@ class WorkerSession:
             self._give_up_turn(key)
             raise
 
-    def _dispatch(self, program, args: Sequence[ArrayRecord], results: Sequence[ArrayRecord], keep, arrived) -> list:
-        """Runs a program now (its turn has come); the results hold its values or its error."""
+    def _dispatch(
+        self, program, args: Sequence[ArrayRecord], results: Sequence[ArrayRecord], keep, arrived, timed: bool = True
+    ) -> list:
+        """Runs a program now (its turn has come); the results hold its values or its error.
+
+        ``timed``: the runtime reports the execution (else whoever follows the program does).
+        """
         with self.lock:
             if self.closed:
                 return []
@@ -268,7 +278,9 @@ class WorkerSession:
                 # Time it waited for its turn (the island's order, or busy devices shared by weight).
                 self._events(event("wait", f"{program.name} waits its turn", program.device_ids, arrived, started))
             try:
-                values = self.runtime.execute(program, [a.value for a in args], keep, timed=self._events)
+                values = self.runtime.execute(
+                    program, [a.value for a in args], keep, timed=self._events if timed else None
+                )
             except Exception as error:  # noqa: BLE001 - the results hold it
                 for record in results:
                     record.fail(as_request_error(error))

@@ -9,6 +9,11 @@ measured device time: a tenant is charged ``busy seconds / weight`` when its
 program finishes). Over a busy minute each tenant's device time then follows
 its weight; a tenant that was idle does not bank credit (its virtual time is
 brought up to the least active one's when it returns).
+
+One thread learns when each program's results are ready, and from that alone
+charges its tenant, releases the next dispatch and reports the program's busy
+interval on its devices (``Finished``: the worker's ``execute`` events), so a
+program costs the worker one wake-up while the device computes.
 """
 
 from __future__ import annotations
@@ -25,18 +30,28 @@ _LOGGER = logging.getLogger(__name__)
 
 # A dispatch function runs a program and returns its outputs (values with ``block_until_ready``).
 Dispatch = Callable[[], Sequence]
+# Told when a program's results are ready: (busy start, end, whether it failed). The busy interval
+# starts when it was dispatched or when the previous program on its devices finished, if later.
+Finished = Callable[[float, float, bool], None]
 
 
 @dataclass
 class _Tenant:
     weight: float
     virtual_s: float = 0.0
-    pending: collections.deque = None  # of Dispatch
+    pending: collections.deque = None  # of _Program
     in_flight: int = 0
     busy_s: float = 0.0  # device time used so far
 
     def __post_init__(self) -> None:
         self.pending = collections.deque()
+
+
+@dataclass(frozen=True)
+class _Program:
+    dispatch: Dispatch
+    devices: tuple[int, ...]
+    finished: Finished | None
 
 
 class FairShare:
@@ -48,22 +63,34 @@ class FairShare:
         self._tenants: dict[str, _Tenant] = {}
         self._in_flight = 0
         self._last_end = 0.0
+        self._device_end: dict[int, float] = {}
         self._running: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._follow_forever, name="pathways-share", daemon=True)
         self._thread.start()
 
-    def submit(self, tenant: str, weight: float, dispatch: Dispatch) -> None:
-        """Runs ``dispatch`` now, or at its turn if the devices are shared and saturated."""
+    def submit(
+        self,
+        tenant: str,
+        weight: float,
+        dispatch: Dispatch,
+        devices: Sequence[int] = (),
+        finished: Finished | None = None,
+    ) -> None:
+        """Runs ``dispatch`` now, or at its turn if the devices are shared and saturated.
+
+        ``finished`` is told the program's busy interval on ``devices`` once its results are ready.
+        """
+        program = _Program(dispatch, tuple(devices), finished)
         with self._lock:
             entry = self._tenants.get(tenant)
             if entry is None or (not entry.pending and not entry.in_flight):
                 entry = self._wake(tenant, weight, entry)
             entry.weight = weight
             if self._saturated(entry):
-                entry.pending.append(dispatch)
+                entry.pending.append(program)
                 return
             self._start(entry)
-        self._run(tenant, dispatch)
+        self._run(tenant, program)
 
     def device_seconds(self) -> dict[str, float]:
         """Device time each tenant has used on these devices."""
@@ -91,7 +118,7 @@ class FairShare:
         entry.in_flight += 1
         self._in_flight += 1
 
-    def _next(self) -> tuple[str, Dispatch] | None:
+    def _next(self) -> tuple[str, _Program] | None:
         """The oldest program of the tenant with the least weighted device time, if any may start."""
         waiting = [(e.virtual_s, name) for name, e in self._tenants.items() if e.pending]
         if not waiting or self._in_flight >= self.depth:
@@ -103,28 +130,32 @@ class FairShare:
 
     # -- running and finishing -------------------------------------------------------------
 
-    def _run(self, tenant: str, dispatch: Dispatch) -> None:
+    def _run(self, tenant: str, program: _Program) -> None:
         started = time.time()
         try:
-            outputs = list(dispatch())
+            outputs = list(program.dispatch())
         except Exception:
             outputs = []
             _LOGGER.debug("a program failed to dispatch", exc_info=True)
-        self._running.put((tenant, outputs, started))
+        self._running.put((tenant, program, outputs, started))
 
     def _follow_forever(self) -> None:
         """Waits for each dispatched program's results in dispatch order, charges its tenant, starts the next."""
         while True:
-            tenant, outputs, dispatched = self._running.get()
+            tenant, program, outputs, dispatched = self._running.get()
+            failed = False
             for output in outputs[:1]:
                 try:
                     output.block_until_ready()
                 except Exception:  # noqa: BLE001 - a failed program used the devices too
-                    pass
+                    failed = True
             end = time.time()
             with self._lock:
                 busy = max(0.0, end - max(dispatched, self._last_end))
                 self._last_end = end
+                start = max([dispatched, *(self._device_end.get(d, 0.0) for d in program.devices)])
+                for device in program.devices:
+                    self._device_end[device] = end
                 entry = self._tenants[tenant]
                 entry.busy_s += busy
                 entry.virtual_s += busy / entry.weight
@@ -133,5 +164,10 @@ class FairShare:
                 ready = []
                 while (chosen := self._next()) is not None:
                     ready.append(chosen)
-            for name, dispatch in ready:
-                self._run(name, dispatch)
+            for name, next_program in ready:
+                self._run(name, next_program)
+            if program.finished is not None and outputs:
+                try:
+                    program.finished(min(start, end), end, failed)
+                except Exception:
+                    _LOGGER.exception("reporting a finished program failed")
