@@ -241,7 +241,8 @@ def test_a_host_killed_mid_collective_fails_programs_without_a_hang_and_the_isla
     assert all("DATA_LOSS" in o["error"] and "island 1 host" in o["error"] for o in errors), errors
     assert max(o["s"] for o in errors) < 30, errors  # each failure is reported, none hangs
     after = outcomes[outcomes.index(errors[-1]) + 1 :]
-    assert len(after) >= 5 and all(o.get("ok") for o in after), outcomes[-10:]
+    workers = [(w.worker_id, w.healthy, w.incarnation, w.down_reason) for w in two_by_two.state().workers]
+    assert len(after) >= 5 and all(o.get("ok") for o in after), (outcomes[-10:], workers)
     assert all(o.get("ok") for o in outcomes[:20]), outcomes[:20]
 
 
