@@ -5,9 +5,11 @@ same order, whichever proxy, session or tenant sent them, or two hosts wait in
 different collectives forever. The island's host 0 decides the order: it
 numbers each such program as its part arrives (so a session's programs keep
 the order the session sent them in, and sessions interleave first come, first
-served) and tells the other hosts; every host, host 0 too, dispatches step n
-only once steps 0..n-1 are dispatched and its own part of step n is ready
-(arguments there). Dispatch runs on one thread per island order, which never
+served; while several tenants saturate the island, the next step goes by
+weight, through the island's own ``FairShare``, see
+``WorkerSession._assign_step``) and tells the other hosts; every host, host 0
+too, dispatches step n only once steps 0..n-1 are dispatched and its own part
+of step n is ready (arguments there). Dispatch runs on one thread per island order, which never
 holds the order's lock while it runs a program, so no lock of a session is
 ever taken inside it. At most ``MAX_IN_FLIGHT`` such programs are in flight:
 with more, XLA's CPU collectives can wait on each other's threads and never
@@ -23,12 +25,34 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 
+from pathways_nb.worker.share import FairShare
+
 _LOGGER = logging.getLogger(__name__)
 
 # Runs this host's part of a program; returns its outputs (values with ``block_until_ready``).
 Dispatch = Callable[[], Sequence]
 
 MAX_IN_FLIGHT = 2
+
+
+class Turn:
+    """Host 0's part of one step, as ``FairShare`` follows a program: ready once it has run.
+
+    A part that gave its turn up (it failed here, its session ended) is ready at once.
+    """
+
+    def __init__(self) -> None:
+        self._ran = threading.Event()
+        self._outputs: list = []
+
+    def finish(self, outputs: Sequence) -> None:
+        self._outputs = list(outputs)[:1]
+        self._ran.set()
+
+    def block_until_ready(self) -> None:
+        self._ran.wait()
+        for output in self._outputs:
+            output.block_until_ready()
 
 
 class IslandOrder:
@@ -41,17 +65,23 @@ class IslandOrder:
         self._step_of: dict[str, int] = {}
         self._key_of: dict[int, str] = {}
         self._ready: dict[str, Dispatch | None] = {}
+        self._turns: dict[str, Turn] = {}  # host 0: the steps handed out whose part here has not run
         self._runnable: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._dispatch_forever, name="pathways-gang", daemon=True)
         self._thread.start()
+        # Host 0: who gets the next step while several tenants saturate the island. Apart from the
+        # share of the host's own devices, so that no step waits behind a one-host program that
+        # waits for the step's turn, or the other way round.
+        self.share = FairShare()
 
-    def assign(self, key: str) -> int:
-        """Host 0: gives the program ``key`` the next step of the island."""
+    def assign(self, key: str) -> tuple[int, Turn]:
+        """Host 0: gives the program ``key`` the next step of the island; the turn is its part here."""
         with self._lock:
             step = self._next_assigned
             self._next_assigned += 1
+            turn = self._turns[key] = Turn()
             self._order(key, step)
-        return step
+        return step, turn
 
     def ordered(self, key: str, step: int) -> None:
         """Hosts > 0: host 0 gave ``key`` step ``step``."""
@@ -76,16 +106,19 @@ class IslandOrder:
             if key is None or key not in self._ready:
                 return
             dispatch = self._ready.pop(key)
+            turn = self._turns.pop(key, None)
             del self._key_of[self._next_dispatched]
             del self._step_of[key]
             self._next_dispatched += 1
             if dispatch is not None:
-                self._runnable.put(dispatch)
+                self._runnable.put((dispatch, turn))
+            elif turn is not None:
+                turn.finish(())
 
     def _dispatch_forever(self) -> None:
         in_flight: collections.deque = collections.deque()
         while True:
-            dispatch = self._runnable.get()
+            dispatch, turn = self._runnable.get()
             while len(in_flight) >= MAX_IN_FLIGHT:
                 outputs = in_flight.popleft()
                 for output in outputs[:1]:
@@ -93,7 +126,11 @@ class IslandOrder:
                         output.block_until_ready()
                     except Exception:  # noqa: BLE001 - a failed program is finished too
                         pass
+            outputs: list = []
             try:
-                in_flight.append(list(dispatch()))
+                outputs = list(dispatch())
             except Exception:
                 _LOGGER.exception("dispatching an island program failed")
+            in_flight.append(outputs)
+            if turn is not None:
+                turn.finish(outputs)

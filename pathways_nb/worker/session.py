@@ -237,8 +237,7 @@ class WorkerSession:
         if self._order is None:
             raise InvalidRequest("this worker is not part of an island of several hosts")
         if command.gang_peers:
-            step = self._order.assign(key)
-            self._announce(list(command.gang_peers), key, step)
+            self._assign_step(command)
         self._gang_waiting.add(key)
         try:
             program = self.programs.get(command.program)
@@ -262,6 +261,23 @@ class WorkerSession:
         except Exception:
             self._give_up_turn(key)
             raise
+
+    def _assign_step(self, command: pb.Execute) -> None:
+        """Host 0: gives a program its step in the island's order (as its part arrives) and tells the other hosts.
+
+        While several tenants' programs saturate the island, the next step goes to the tenant with
+        the least weighted device time instead (the island's ``FairShare``, which follows each step
+        until its part here has run), so weights hold for programs that span hosts too; each
+        tenant's programs keep their order.
+        """
+        key, peers = command.gang, list(command.gang_peers)
+
+        def assign() -> list:
+            step, turn = self._order.assign(key)
+            self._announce(peers, key, step)
+            return [turn]
+
+        self._order.share.submit(command.tenant or self.key, command.weight or 1.0, assign)
 
     def _dispatch(
         self, program, args: Sequence[ArrayRecord], results: Sequence[ArrayRecord], keep, arrived, timed: bool = True
