@@ -3,7 +3,8 @@
 A proxy in this process (with a compile cache of 2 programs) serves a real
 cluster; real jax clients compile and destroy programs through it. What the
 worker holds is read from the worker itself: a ``ProgramQuery`` for each id the
-proxy ever gave a program answers NOT_FOUND once the worker forgot it.
+proxy ever gave a program answers NOT_FOUND once the worker forgot it. Ids are
+the worker's names of programs, so those of two proxies must never meet.
 """
 
 from __future__ import annotations
@@ -106,20 +107,21 @@ def _ask(client, command: str) -> str:
 def test_destroyed_programs_are_forgotten_and_programs_in_use_are_not(served):
     cluster, server, runtime = served
     first_id = next(runtime._program_ids)
-    # Each client's first compile is the same program (on the worker: one executable, two ids).
-    keepers, churners = first_id + 1, first_id + 2
+    # Each client's first compile is the same program: the churner's is the keeper's (from the
+    # proxy's compile cache) or, compiled again, the same executable on the worker under another id.
+    keepers = first_id + 1
     keeper = _client(cluster, server, churn=0)
     churner = _client(cluster, server, churn=30)
     try:
-        # 32 programs were compiled; the churner destroyed 30 of them. The worker keeps the two
-        # handles on the shared one and the 2 programs the proxy's compile cache still holds.
+        # 31 or 32 programs were compiled; the churner destroyed 30 of them. The worker keeps the
+        # shared one and the 2 programs the proxy's compile cache still holds.
         held = _settled(runtime, first_id, lambda held: len(held) <= 2 + CACHE)
-        assert {keepers, churners} <= held and len(held) <= 2 + CACHE, held
+        assert keepers in held and len(held) <= 2 + CACHE, held
         # The churner's session ends: its handle goes, the keeper's stays and runs (no compile).
         churner.stdin.close()
         assert churner.wait(timeout=60) == 0, churner.stderr.read()[-3000:]
-        held = _settled(runtime, first_id, lambda held: churners not in held)
-        assert keepers in held and churners not in held, held
+        held = _settled(runtime, first_id, lambda held: len(held) <= 1 + CACHE)
+        assert keepers in held and len(held) <= 1 + CACHE, held
         before = next(runtime._program_ids)
         assert _ask(keeper, "run") == EXPECTED
         assert next(runtime._program_ids) == before + 1
@@ -136,3 +138,39 @@ def test_destroyed_programs_are_forgotten_and_programs_in_use_are_not(served):
             client.wait()
             for pipe in (client.stdin, client.stdout, client.stderr):
                 pipe.close()
+
+
+# Compiles ``v * factor`` and keeps it; runs it again on each line of input.
+KEEP = """
+    import sys, jax, numpy as np, pathways_nb
+    address, token, factor = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    pathways_nb.connect(address, token=token)
+    x = jax.device_put(np.arange(4, dtype=np.float32), jax.devices()[0])
+    kept = jax.jit(lambda v: v * factor).lower(x).compile()
+    print(np.asarray(kept(x)).tolist(), flush=True)
+    for _line in iter(sys.stdin.readline, ""):
+        print(np.asarray(kept(x)).tolist(), flush=True)
+"""
+
+
+def test_two_proxies_programs_on_one_worker_stay_apart(served):
+    """Each proxy names its programs on the workers; the names of two proxies never meet."""
+    cluster, _server, _runtime = served
+    servers = [
+        ProxyServer(ClusterRuntime(cluster.resource_manager.hostport, credentials=cluster.credentials))
+        for _ in range(2)
+    ]
+    clients = []
+    try:
+        for factor, server in zip((5, 7), servers, strict=True):
+            clients.append(python_process(KEEP, server.address, cluster.token, str(factor)))
+            expected = str([float(v * factor) for v in range(4)])
+            assert clients[-1].stdout.readline().strip() == expected, clients[-1].stderr.read()[-3000:]
+        for factor, client in zip((5, 7), clients, strict=True):
+            assert _ask(client, "run") == str([float(v * factor) for v in range(4)])
+    finally:
+        for client in clients:
+            client.kill()
+            client.communicate()
+        for server in servers:
+            server.stop()

@@ -21,6 +21,7 @@ import dataclasses
 import itertools
 import logging
 import queue
+import secrets
 import threading
 import uuid
 import weakref
@@ -83,7 +84,9 @@ class ClusterRuntime:
         self._channel = self.credentials.channel(rm_address)
         self._rm = cluster_pb2_grpc.ResourceManagerStub(self._channel)
         self._lock = threading.Lock()
-        self._program_ids = itertools.count(1)
+        # Program ids name programs on workers, which every proxy of the cluster shares: each proxy
+        # counts from its own random start, far from any other's (ids of two proxies never meet).
+        self._program_ids = itertools.count(secrets.randbits(40) << 20)
         # Per program (by identity): worker incarnation -> program id on that worker.
         self._compiled: weakref.WeakKeyDictionary[RemoteProgram, dict[int, int]] = weakref.WeakKeyDictionary()
         self._control: dict[str, WorkerLink] = {}
