@@ -129,13 +129,17 @@ class WorkerLink:
                 except RequestError:
                     shared_memory.discard(path)
                     raise
-                self.moved["shared memory"] += data.nbytes
+                self._count("shared memory", data.nbytes)
                 return
         for start in range(0, max(data.nbytes, 1), CHUNK_BYTES):
             end = min(start + CHUNK_BYTES, data.nbytes)
             put = pb.Put(id=array_id, meta=meta, data=data[start:end].tobytes(), more=end < data.nbytes)
             self.send(pb.Command(put=put))
-        self.moved["gRPC"] += data.nbytes
+        self._count("gRPC", data.nbytes)
+
+    def _count(self, way: str, nbytes: int) -> None:
+        with self._cond:
+            self.moved[way] += nbytes
 
     def fetch(self, array_id: int) -> memoryview | bytearray:
         """The row-major bytes of array ``array_id`` (waits for them); over gRPC if shared memory fails.
@@ -233,10 +237,10 @@ class WorkerLink:
                 shared_memory.discard(reply.shared.path)
                 future.set_exception(error)
             else:
-                self.moved["shared memory"] += reply.shared.size
+                self._count("shared memory", reply.shared.size)
         elif chunks is not None and kind == "data":
             data = bytearray().join(chunks)  # one copy, and writable as the array it becomes
-            self.moved["gRPC"] += len(data)
+            self._count("gRPC", len(data))
             future.set_result(data)
         else:
             future.set_result(reply)
