@@ -87,7 +87,7 @@ class Settings:
     steps: int  # chained compute steps per measurement
 
 
-FULL = Settings(rounds=5, chain_s=1.5, transfers=5, steps=100)
+FULL = Settings(rounds=4, chain_s=1.0, transfers=4, steps=60)
 QUICK = Settings(rounds=2, chain_s=0.3, transfers=1, steps=10)
 
 # -- the programs every peer runs (module level, so that Ray and Dask workers import them by name) ------------
@@ -399,7 +399,12 @@ def serve(name: str) -> None:
 
 
 class PeerFailed(Exception):
-    pass
+    """A child's error (its traceback, or its log's tail); ``summary`` is its last line."""
+
+    @property
+    def summary(self) -> str:
+        lines = str(self).strip().splitlines()
+        return lines[-1] if lines else "no details"
 
 
 class Child:
@@ -407,12 +412,13 @@ class Child:
 
     def __init__(self, peer: Peer, log_dir: str):
         self.peer = peer
+        self.log_dir = log_dir
         self.log_path = os.path.join(log_dir, f"{peer.name}.log")
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([HERE, *filter(None, [env.get("PYTHONPATH")])])
         if peer.name in ("local", "ray", "dask"):
             env["JAX_PLATFORMS"] = "cpu"
-        with open(self.log_path, "w") as log:
+        with open(self.log_path, "a") as log:  # a restarted peer's log follows its first
             self.process = subprocess.Popen(
                 [sys.executable, "-c", "import sys, peers; peers.serve(sys.argv[1])", peer.name],
                 stdin=subprocess.PIPE,
@@ -446,7 +452,8 @@ class Child:
         with open(self.log_path, errors="replace") as log:
             return "\n".join(log.read().splitlines()[-lines:])
 
-    def close(self) -> None:
+    def close(self) -> str:
+        """Stops the child; returns its log directory (for a restart)."""
         with contextlib.suppress(OSError):
             self.process.stdin.close()  # the child's loop ends, and it stops its servers
         try:
@@ -454,6 +461,7 @@ class Child:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+        return self.log_dir
 
 
 def missing(peer: Peer) -> str | None:
@@ -467,8 +475,11 @@ def missing(peer: Peer) -> str | None:
 Results = dict[str, dict[str, list[float]]]  # peer -> figure -> one value a round
 
 
+RESTARTS = 1  # a peer that fails is started afresh this many times before it leaves the run
+
+
 def measure(children: dict[str, Child], settings: Settings, notes: list[str]) -> Results:
-    """Runs the rounds; a peer that fails leaves the run (with a note), the others go on."""
+    """Runs the rounds; a peer that fails is restarted and asked again, then leaves the run (with a note)."""
     size = int(children["local"].ask("calibrate", target_ms=10.0))
     print(f"compute step: tanh(x @ w), {size}x{size} float32 (~10 ms on local JAX)", flush=True)
     requests = {
@@ -483,19 +494,38 @@ def measure(children: dict[str, Child], settings: Settings, notes: list[str]) ->
         order = names[round_ % len(names) :] + names[: round_ % len(names)]
         for figure in FIGURES:
             for name in order:
-                if name not in children:
-                    continue
-                try:
-                    results[name][figure.key].append(children[name].ask(figure.key, **requests[figure.key]))
-                except PeerFailed as error:
-                    if name == "local":
-                        raise
-                    notes.append(f"{PEERS[name].label}: {error}")
-                    print(notes[-1], file=sys.stderr, flush=True)
-                    children.pop(name).close()
-                    results.pop(name)
+                for attempt in range(RESTARTS + 1):
+                    if name not in children:
+                        break
+                    try:
+                        results[name][figure.key].append(children[name].ask(figure.key, **requests[figure.key]))
+                        break
+                    except PeerFailed as error:
+                        if name == "local":
+                            raise
+                        print(error, file=sys.stderr, flush=True)
+                        notes.append(f"{PEERS[name].label}: round {round_ + 1}, {figure.key}: {error.summary}")
+                        log_dir = children.pop(name).close()
+                        if attempt == RESTARTS:
+                            notes.append(f"{PEERS[name].label}: left the run")
+                            results.pop(name)
+                        else:
+                            _ready(children, name, Child(PEERS[name], log_dir), notes)
         print(f"round {round_ + 1}/{settings.rounds} done", flush=True)
     return results
+
+
+def _ready(children: dict[str, Child], name: str, child: Child, notes: list[str]) -> None:
+    """Waits until peer ``name``'s child is ready, and adds it to ``children``; one that cannot start is left out."""
+    try:
+        print(f"{PEERS[name].label}: started in {child.ready():.1f} s", flush=True)
+        children[name] = child
+    except PeerFailed as error:
+        child.close()
+        if name == "local":
+            raise
+        print(error, file=sys.stderr, flush=True)
+        notes.append(f"{PEERS[name].label}: did not start: {error.summary}")
 
 
 def ratios(results: Results) -> dict[str, dict[str, list[float]]]:
@@ -514,7 +544,7 @@ def ratios(results: Results) -> dict[str, dict[str, list[float]]]:
 
 
 def _number(value: float) -> str:
-    return f"{value / 1000:.3g}k" if value >= 1000 else f"{value:.3g}"
+    return f"{value / 1000:.3g}k" if value >= 999.5 else f"{value:.3g}"  # 999.6 is 1k, not 1e+03
 
 
 def _cell(values: list[float]) -> str:
@@ -617,20 +647,14 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="pathways-peers-") as log_dir:
-        children = {name: Child(PEERS[name], log_dir) for name in runnable}  # they start side by side
+        launched = {name: Child(PEERS[name], log_dir) for name in runnable}  # they start side by side
+        children: dict[str, Child] = {}
         try:
-            for name in list(children):
-                try:
-                    print(f"{PEERS[name].label}: started in {children[name].ready():.1f} s", flush=True)
-                except PeerFailed as error:
-                    if name == "local":
-                        raise
-                    notes.append(f"{PEERS[name].label}: did not start: {error}")
-                    print(notes[-1], file=sys.stderr, flush=True)
-                    children.pop(name).close()
+            for name, child in launched.items():
+                _ready(children, name, child, notes)
             results = measure(children, settings, notes)
         finally:
-            for child in children.values():
+            for child in [*launched.values(), *children.values()]:
                 child.close()
     elapsed = time.perf_counter() - started
     subtitle = (
@@ -641,7 +665,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{subtitle}; {elapsed:.0f} s in all")
     print(tables(results))
     for note in notes:
-        print(note.splitlines()[0])
+        print(note)
     if args.plot:
         plot(results, args.plot, subtitle)
         print(f"plot: {args.plot}")
