@@ -26,6 +26,9 @@ def _client(address: str, body: str) -> subprocess.Popen:
         JAX_PLATFORMS="proxy",
         JAX_BACKEND_TARGET=address,
         IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS="true",
+        # These tests count the server's RSS, which maps uploads through shared memory without touching
+        # them (tests/test_shared_memory.py checks that those mappings go with their arrays).
+        PATHWAYS_SHARED_MEMORY="0",
     )
     code = "import jax, numpy as np, sys, time\n" + textwrap.dedent(body)
     return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)

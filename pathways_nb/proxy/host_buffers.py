@@ -200,6 +200,9 @@ class HostBuffers:
         self.quota.give(sum(reserved for _data, reserved in stored.values()))
         for pending in waiting.values():
             pending.fail(Unavailable(reason))
+        if self._shared_directory is not None:
+            # A client killed mid-upload leaves files nobody reads: gone with its directory.
+            shared_memory.reap_stale()
 
     def _expire(self, handle: int, pending: Pending) -> None:
         with self._lock:
