@@ -486,10 +486,12 @@ class FuzzSession:
         rng = self.rng
         handle = rng.choice(self.handles.host_buffers) if rng.random() < 0.6 else rng.choice(EDGE_INTS)
         handle = _clip(self.wire.messages.proxy.GrpcHostBufferStoreMetadata.DESCRIPTOR.fields_by_name["handle"], handle)
-        choice = rng.randrange(4)
+        choice = rng.randrange(5)
         self.findings.host_calls += 1
         try:
-            if choice == 3:
+            if choice == 4:
+                self._read_from_disk(handle)
+            elif choice == 3:
                 self._odd_store()
             elif choice == 0:
                 size = rng.choice((0, 1, 24, 4096, 3 * MIB))
@@ -502,7 +504,7 @@ class FuzzSession:
         except grpc.RpcError as e:
             if e.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
                 self.findings.bug(
-                    f"host buffer call {('store', 'lookup', 'delete', 'odd store')[choice]}: "
+                    f"host buffer call {('store', 'lookup', 'delete', 'odd store', 'read from disk')[choice]}: "
                     f"{e.code().name}: {e.details()}"
                 )
 
@@ -520,6 +522,24 @@ class FuzzSession:
         chunks = [rng.choice((b"", b"\x0a\x08" + rng.randbytes(8), rng.randbytes(rng.randint(1, 20))))]
         store = self.wire.channel.stream_unary(SERVICE_STORE, request_serializer=None, response_deserializer=None)
         store(iter(chunks * rng.randint(0, 3)), metadata=headers)
+
+    def _read_from_disk(self, handle: int) -> None:
+        """A ``HostBufferReadFromDisk`` (this session named no shared directory): OK, NOT_FOUND for another."""
+        rng, proxy = self.rng, self.wire.messages.proxy
+        request = proxy.GrpcHostBufferReadFromDiskRequest()
+        request.metadata.session_id = rng.choice((self.wire.session_id, self.wire.session_id, 10**6))
+        request.metadata.handle, request.metadata.buffer_size = handle, rng.choice((0, 8, 1 << 20, -5, 1 << 62))
+        read = self.wire.channel.unary_unary(
+            testing.SERVICE + "HostBufferReadFromDisk",
+            request_serializer=proxy.GrpcHostBufferReadFromDiskRequest.SerializeToString,
+            response_deserializer=proxy.GrpcHostBufferReadFromDiskResponse.FromString,
+        )
+        try:
+            read(request, timeout=30)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.NOT_FOUND or request.metadata.session_id == self.wire.session_id:
+                self.findings.bug(f"HostBufferReadFromDisk: {e.code().name}: {e.details()}")
+        self.handles.host_buffers.append(handle)
 
     def _store(self, handle: int, data: bytes, declared: int | None = None) -> None:
         try:
