@@ -24,7 +24,8 @@ DEFAULT_TIMEOUT_S = 60.0
 # DIRECTORY/lt_<handle> and the server reads them from there (HostBufferReadFromDisk).
 THRESHOLD_ENV = "IFRT_PROXY_GRPC_LARGE_TRANSFER_OPTIMIZATION_THRESHOLD_BYTES"
 DIRECTORY_ENV = "IFRT_PROXY_GRPC_LARGE_TRANSFER_OPTIMIZATION_DIRECTORY"
-# Smaller buffers stay on gRPC: below this, a file costs more than the stream saves.
+# Smaller buffers stay on gRPC, where a file costs more than the stream saves (a device_put, measured
+# on 2 loaded cores: 64 KiB 3.5 ms through a file, 2-3 ms over gRPC; 1 MiB 4.5 ms and 5.9 ms).
 SHARED_MEMORY_THRESHOLD_BYTES = 1 << 20
 _SHARED_PURPOSE = "ifrt"
 # How long the probe for the server's host may take: a proxy on this host answers in 3-20 ms

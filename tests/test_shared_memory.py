@@ -12,6 +12,7 @@ import json
 import os
 import secrets
 import stat
+import time
 
 import grpc
 import numpy as np
@@ -103,8 +104,12 @@ print(json.dumps({
 
 
 def test_uploads_through_shared_memory_are_bitwise_equal_and_leave_no_file(near):
-    result = _client(_ROUND_TRIPS, near.address)
+    # As a child of a pathways-nb process would have them: the parent's directory is never used.
+    parents = str(shared_memory.private_root() / "ifrt-1-parent")
+    inherited = {jax_plugin.DIRECTORY_ENV: parents, jax_plugin.THRESHOLD_ENV: str(THRESHOLD)}
+    result = _client(_ROUND_TRIPS, near.address, env=inherited)
     assert result["threshold"] == str(THRESHOLD)
+    assert result["directory"] != parents
     assert result["directory"].startswith(str(shared_memory.private_root()))
     assert result["mode"] == 0o700
     assert result["left"] == ["owner"]  # every lt_<handle> was taken (and removed) by the server
@@ -140,6 +145,21 @@ def test_the_first_connection_decides_and_a_later_one_elsewhere_is_refused_clear
     )
     assert result["same"]
     assert "not on this host" in result["refused"] and "PATHWAYS_SHARED_MEMORY=0" in result["refused"]
+
+
+def test_a_server_without_the_observe_api_answers_the_probe_at_once():
+    """A gRPC server without the observe API (Pathways on Cloud) answers the probe at once: no shared memory."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    server = grpc.server(ThreadPoolExecutor(1))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        started = time.monotonic()
+        assert jax_plugin._server_key(f"grpc://127.0.0.1:{port}", 10.0) == ""
+        assert time.monotonic() - started < 5
+    finally:
+        server.stop(None)
 
 
 def test_shared_memory_off_keeps_every_upload_on_grpc(near):
