@@ -89,6 +89,8 @@ class ClusterRuntime:
         self._program_ids = itertools.count(secrets.randbits(40) << 20)
         # Per program (by identity): worker incarnation -> program id on that worker.
         self._compiled: weakref.WeakKeyDictionary[RemoteProgram, dict[int, int]] = weakref.WeakKeyDictionary()
+        # Compiles sent without waiting (program_id_on), by program id, until their reply.
+        self._compiling: dict[int, Future] = {}
         self._control: dict[str, WorkerLink] = {}
         self._layouts = LayoutBook()
         self._sessions: weakref.WeakSet[ClusterSession] = weakref.WeakSet()
@@ -189,36 +191,72 @@ class ClusterRuntime:
                 self._control[worker.worker_id] = link
             return link
 
-    def program_id_on(self, program: RemoteProgram, worker: pb.Device) -> int:
-        """The id of ``program`` on the worker's current incarnation, compiling it there if needed."""
+    def program_id_on(self, program: RemoteProgram, worker: pb.Device, link: WorkerLink | None = None) -> int:
+        """The id of ``program`` on the worker's current incarnation; if it is not compiled there, the compile is sent.
+
+        The compile goes on ``link`` (the stream of the command that uses the id; the worker serves
+        a stream in order, so that command waits there for the compile) and is not waited for: no
+        caller, the proxy's event loop least of all, waits for a worker here. A compile that fails
+        fails the commands that use the id, and the next use compiles again.
+        """
         with self._lock:
             known = self._compiled.setdefault(program, {})
             program_id = known.get(worker.incarnation)
-        if program_id is None:
-            program_id = self._compile_on(worker, program.stablehlo, program.compile_options, program.local_device_ids)[
-                0
-            ]
+            if program_id is not None:
+                return program_id
+            program_id = known[worker.incarnation] = next(self._program_ids)
+        try:
+            reply = self._send_compile(
+                link or self.control_link(worker),
+                program_id,
+                program.stablehlo,
+                program.compile_options,
+                program.local_device_ids,
+            )
+        except RequestError:
             with self._lock:
-                known[worker.incarnation] = program_id
+                known.pop(worker.incarnation, None)
+            raise
+
+        def replied(future: Future) -> None:
+            with self._lock:
+                self._compiling.pop(program_id, None)
+                if future.exception() is not None and known.get(worker.incarnation) == program_id:
+                    del known[worker.incarnation]
+
+        with self._lock:
+            self._compiling[program_id] = reply
+        reply.add_done_callback(replied)
         return program_id
 
-    def _compile_on(
-        self, worker: pb.Device, stablehlo: bytes, options: bytes, local_ids: tuple[int, ...]
-    ) -> tuple[int, pb.CompiledProgram]:
-        program_id = next(self._program_ids)
+    def compiled_on(self, program: RemoteProgram, worker: pb.Device) -> int:
+        """``program_id_on``, once the program is compiled there (blocks: for work off the event loop)."""
+        program_id = self.program_id_on(program, worker)
+        with self._lock:
+            reply = self._compiling.get(program_id)
+        if reply is not None:
+            reply.result()
+        return program_id
+
+    def _send_compile(
+        self, link: WorkerLink, program_id: int, stablehlo: bytes, options: bytes, local_ids: tuple[int, ...]
+    ) -> Future:
         command = pb.Command(
             compile=pb.Compile(program=program_id, stablehlo=stablehlo, compile_options=options, device_ids=local_ids)
         )
-        reply = self.control_link(worker).request(command, "compile").result()
-        return program_id, reply.compiled
+        return link.request(command, "compile")
 
     def compile(
         self, hosts: Sequence[pb.Device], stablehlo: bytes, options: bytes, device_ids, local_ids
     ) -> RemoteProgram:
-        """Compiles on the first host (the others compile it when it first runs there)."""
-        worker = hosts[0]
-        program_id, compiled = self._compile_on(worker, stablehlo, options, local_ids)
-        info = program_from_proto(compiled, tuple(device_ids))
+        """Compiles on every host of the program at once (blocks: it runs on the compile pool)."""
+        ids = [next(self._program_ids) for _ in hosts]
+        replies = [
+            self._send_compile(self.control_link(host), program_id, stablehlo, options, local_ids)
+            for host, program_id in zip(hosts, ids, strict=True)
+        ]
+        compiled = [reply.result().compiled for reply in replies]
+        info = program_from_proto(compiled[0], tuple(device_ids))
         program = RemoteProgram(
             **{f.name: getattr(info, f.name) for f in dataclasses.fields(ProgramInfo)},
             hosts=tuple(hosts),
@@ -227,7 +265,7 @@ class ClusterRuntime:
             local_device_ids=tuple(local_ids),
         )
         with self._lock:
-            known = self._compiled[program] = {worker.incarnation: program_id}
+            known = self._compiled[program] = {host.incarnation: i for host, i in zip(hosts, ids, strict=True)}
         # Once no session handle, compile-cache entry or running request holds the program, its
         # workers drop it too (their table of programs would only grow otherwise).
         weakref.finalize(program, self._dropped.put, (program.hosts, known))
@@ -658,7 +696,7 @@ class ClusterSession:
                 f"argument {index} of {program.name} is not on island {device.island} where the program "
                 "runs; move it first (jax.device_put)"
             )
-        program_id = self.cluster.program_id_on(program, device)
+        program_id = self.cluster.program_id_on(program, device, link)
         results = [
             RemoteArray(link, link.new_id(), aval.kind, aval.shape, sharding)
             for aval, sharding in zip(program.signature.results, program.output_shardings, strict=True)
@@ -696,7 +734,9 @@ class ClusterSession:
         peers = [link.address for link in links[1:]]
         for host_index, (host, link) in enumerate(zip(hosts, links, strict=True)):
             execute = pb.Execute(
-                program=self.cluster.program_id_on(program, host),
+                # Compiled on every host (or, after a host restarted, once more there first: the
+                # island's order takes a program's parts only once they are compiled).
+                program=self.cluster.compiled_on(program, host),
                 args=[arg.parts[host_index].array_id for arg in args],
                 results=[parts[host_index].array_id for parts in results],
                 keep=sorted(keep),
@@ -713,12 +753,12 @@ class ClusterSession:
 
     def cost_analysis(self, program: RemoteProgram) -> dict[str, float]:
         device = self._current(self._device(program.device_ids[0]))
-        command = pb.Command(program_query=pb.ProgramQuery(program=self.cluster.program_id_on(program, device)))
+        command = pb.Command(program_query=pb.ProgramQuery(program=self.cluster.compiled_on(program, device)))
         return dict(self.cluster.query(device, command, "program_query").costs.values)
 
     def program_text(self, program: RemoteProgram) -> str:
         device = self._current(self._device(program.device_ids[0]))
-        program_id = self.cluster.program_id_on(program, device)
+        program_id = self.cluster.compiled_on(program, device)
         command = pb.Command(program_query=pb.ProgramQuery(program=program_id, text=True))
         return self.cluster.query(device, command, "program_query").text
 

@@ -201,31 +201,39 @@ class WorkerSession:
             else:
                 self._reply(pb.Reply(request=command.request, compiled=compiled))
 
+        # Known from now on: an Execute after it on this stream waits for the compile.
+        self.programs.expect(command.program)
         self._background(compile_now, done)
 
     def _execute(self, command: pb.Execute) -> None:
         if command.gang:
             self._execute_in_island_order(command)
             return
-        program = self.programs.get(command.program)
+        compiled = self.programs.record(command.program)  # compiled, or compiling (its Compile came first)
         args = [self._record(i) for i in command.args]
         results = [self._new(i) for i in command.results]
         keep = frozenset(command.keep)
         arrived = time.time()
 
         if self._share is None:
-            self._derive(args, results, lambda: self._dispatch(program, args, results, keep, arrived))
+            self._derive(
+                [compiled, *args], results, lambda: self._dispatch(compiled.value, args, results, keep, arrived)
+            )
             return
         tenant, weight = command.tenant or self.key, command.weight or 1.0
 
         def dispatch() -> list:
-            return self._dispatch(program, args, results, keep, arrived, timed=False)
+            return self._dispatch(compiled.value, args, results, keep, arrived, timed=False)
 
         def finished(start: float, end: float, failed: bool) -> None:
             # The share follows the program anyway: it reports the execution, no timer thread does.
+            program = compiled.value
             self._events(event("execute", program.name, program.device_ids, start, end, failed=failed))
 
-        self._derive(args, results, lambda: self._share.submit(tenant, weight, dispatch, program.device_ids, finished))
+        def submit() -> None:
+            self._share.submit(tenant, weight, dispatch, compiled.value.device_ids, finished)
+
+        self._derive([compiled, *args], results, submit)
 
     def _execute_in_island_order(self, command: pb.Execute) -> None:
         """This host's part of a program that spans the island: dispatched at its turn in the island's order.

@@ -341,24 +341,42 @@ def fetch_execute_result(session, request, op_id):
 
 @handles("loaded_executable_cost_analysis_request")
 def cost_analysis(session, request, op_id):
-    """XLA's cost estimate; failures go in the body, which the client requires."""
+    """XLA's cost estimate; failures go in the body, which the client requires.
+
+    Asked off the event loop (a cluster's worker answers it), so other requests keep flowing.
+    """
     program = session.program(request.loaded_executable_handle).program
     response = session.messages.proxy.LoadedExecutableCostAnalysisResponse()
-    try:
-        attributes.fill(response.attributes, session.runtime.cost_analysis(program))
-        response.attributes.SetInParent()
-    except Exception as e:  # noqa: BLE001 - reported to the client in the body
-        response.status.code = 12
-        response.status.message = f"cost analysis is unavailable for this program: {e}"
-    return response
+
+    def answer(costs, error) -> None:
+        if error is None:
+            attributes.fill(response.attributes, costs)
+            response.attributes.SetInParent()
+        else:
+            response.status.code = 12
+            response.status.message = f"cost analysis is unavailable for this program: {error.message}"
+        session.reply(op_id, "loaded_executable_cost_analysis_response", response)
+
+    session.in_background(lambda: session.runtime.cost_analysis(program), answer)
+    return DEFERRED
 
 
 @handles("loaded_executable_human_readable_program_text_request")
 def program_text(session, request, op_id):
-    """The optimized HLO of the program (``compiled.as_text()``)."""
+    """The optimized HLO of the program (``compiled.as_text()``), written off the event loop."""
     program = session.program(request.loaded_executable_handle).program
-    text = session.runtime.program_text(program)
-    return session.messages.proxy.LoadedExecutableHumanReadableProgramTextResponse(human_readable_program_text=text)
+
+    def answer(text, error) -> None:
+        if error is not None:
+            session.reply_error(op_id, error)
+            return
+        response = session.messages.proxy.LoadedExecutableHumanReadableProgramTextResponse(
+            human_readable_program_text=text
+        )
+        session.reply(op_id, "loaded_executable_human_readable_program_text_response", response)
+
+    session.in_background(lambda: session.runtime.program_text(program), answer)
+    return DEFERRED
 
 
 @handles("loaded_executable_delete_request")

@@ -1,0 +1,93 @@
+"""The proxy's event loop never waits for a worker: one session's slow worker round trip holds up no one else.
+
+Session A asks for a program's cost analysis, which its island's worker
+answers, while that worker is stopped (SIGSTOP, shorter than the resource
+manager's heartbeat time-out, so nothing is declared dead). Session B, on the
+other island, meanwhile runs a program and reads its result: its requests are
+served on the same event loop, and must not wait for A's answer.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+
+from pathways_nb.cluster import LocalCluster
+from pathways_nb.testing import python_process
+
+# How long A's worker stays stopped; the resource manager declares a worker dead after 3 s.
+STOPPED_S = 2.0
+
+SLOW = """
+    import sys, jax, jax.numpy as jnp, numpy as np, pathways_nb
+    pathways_nb.connect(sys.argv[1], tenant="slow", islands=[0])
+    compiled = jax.jit(lambda a: jnp.tanh(a @ a)).lower(np.ones((64, 64), np.float32)).compile()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    print("asking", flush=True)
+    costs = compiled.cost_analysis()                  # the worker answers this one
+    costs = costs[0] if isinstance(costs, list) else costs
+    print("flops", costs["flops"], flush=True)
+"""
+
+PROMPT = """
+    import sys, time, jax, numpy as np, pathways_nb
+    pathways_nb.connect(sys.argv[1], tenant="prompt", islands=[1])
+    step = jax.jit(lambda x: x * 2 + 1)
+    x = jax.device_put(np.arange(8, dtype=np.float32), jax.devices()[0])
+    step(x).block_until_ready()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    started = time.perf_counter()
+    value = float(step(x)[3])                         # execute, then read the result back
+    print("served", time.perf_counter() - started, value, flush=True)
+"""
+
+
+def _line(process: subprocess.Popen) -> str:
+    line = process.stdout.readline().strip()
+    if not line:
+        process.kill()
+        raise AssertionError(f"the client ended early:\n{process.stderr.read()[-3000:]}")
+    return line
+
+
+def _go(process: subprocess.Popen) -> None:
+    process.stdin.write("go\n")
+    process.stdin.flush()
+
+
+@pytest.mark.timeout(180)
+def test_a_stopped_worker_holds_up_only_the_session_that_waits_for_it():
+    with LocalCluster(islands=2, devices_per_host=1) as cluster:
+        slow = python_process(SLOW, cluster.address)
+        prompt = python_process(PROMPT, cluster.address)
+        worker = cluster.workers[(0, 0)].process
+        resume = threading.Timer(STOPPED_S, os.kill, (worker.pid, signal.SIGCONT))
+        try:
+            assert _line(slow) == "ready" and _line(prompt) == "ready"
+            os.kill(worker.pid, signal.SIGSTOP)
+            resume.start()
+            stopped_at = time.monotonic()
+            _go(slow)
+            assert _line(slow) == "asking"
+            time.sleep(0.3)  # A's request is at the proxy, whose answer waits for the stopped worker
+            _go(prompt)
+            word, seconds, value = _line(prompt).split()
+            waited = time.monotonic() - stopped_at
+            assert word == "served" and float(value) == 7.0
+            # Served while A's worker was still stopped, not after it was let go.
+            assert float(seconds) < 1.0 and waited < STOPPED_S, (seconds, waited)
+            word, flops = _line(slow).split()
+            assert word == "flops" and float(flops) > 0
+        finally:
+            resume.cancel()
+            os.kill(worker.pid, signal.SIGCONT)
+            for process in (slow, prompt):
+                process.kill()
+                process.communicate()
