@@ -146,13 +146,13 @@ def _shared_uploads(target: str, timeout_s: float) -> dict[str, bytes]:
 
     first, _first_client = _first_client, False
     if _uploads is not None:
-        if _server_key(target, timeout_s) == _uploads.key:
+        if _is_local(target) and _server_key(target, timeout_s) == _uploads.key:
             return _uploads.attributes()
         raise RuntimeError(
             f"the server at {target} is not on this host, and this process sends uploads of "
-            f"{SHARED_MEMORY_THRESHOLD_BYTES} bytes and more through shared memory, which it cannot read (the IFRT "
-            "client fixes this at a process's first connection). Connect from a new process (restart the kernel), "
-            f"or set {shared_memory.ENABLE_ENV}=0 before the first connection"
+            f"{SHARED_MEMORY_THRESHOLD_BYTES} bytes and more through shared memory, which that server cannot read "
+            "(the IFRT client fixes this at a process's first connection). Connect from a new process (restart "
+            f"the kernel), or set {shared_memory.ENABLE_ENV}=0 before the first connection"
         )
     if not first:
         return {}

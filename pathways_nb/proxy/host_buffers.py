@@ -65,8 +65,10 @@ class HostBuffers:
         directory = Path(named)
         own_key = session_options.shared_memory_key()
         if not own_key:
-            self._shared_refusal = f"this server takes nothing through shared memory ({shared_memory.ENABLE_ENV}=0 "
-            self._shared_refusal += "or no private shared-memory directory on its host)"
+            self._shared_refusal = (
+                f"this server takes nothing through shared memory ({shared_memory.ENABLE_ENV}=0, "
+                "or no private shared-memory directory on its host)"
+            )
         elif _text(attributes.get(session_options.SHARED_HOST)) != own_key:
             self._shared_refusal = "the client runs on another host"
         elif not shared_memory.contains(directory) or not _holds_secret(
