@@ -492,8 +492,10 @@ def measure(children: dict[str, Child], settings: Settings, notes: list[str]) ->
     names = list(children)
     for round_ in range(settings.rounds):
         order = names[round_ % len(names) :] + names[: round_ % len(names)]
+        spent = dict.fromkeys(order, 0.0)  # seconds each peer took this round, set-up included
         for figure in FIGURES:
             for name in order:
+                asked = time.perf_counter()
                 for attempt in range(RESTARTS + 1):
                     if name not in children:
                         break
@@ -511,7 +513,9 @@ def measure(children: dict[str, Child], settings: Settings, notes: list[str]) ->
                             results.pop(name)
                         else:
                             _ready(children, name, Child(PEERS[name], log_dir), notes)
-        print(f"round {round_ + 1}/{settings.rounds} done", flush=True)
+                spent[name] += time.perf_counter() - asked
+        took = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in spent.items())
+        print(f"round {round_ + 1}/{settings.rounds} done ({took})", flush=True)
     return results
 
 
