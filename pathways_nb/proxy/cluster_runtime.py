@@ -89,8 +89,8 @@ class ClusterRuntime:
         self._program_ids = itertools.count(secrets.randbits(40) << 20)
         # Per program (by identity): worker incarnation -> program id on that worker.
         self._compiled: weakref.WeakKeyDictionary[RemoteProgram, dict[int, int]] = weakref.WeakKeyDictionary()
-        # Compiles sent without waiting (program_id_on), by program id, until their reply.
-        self._compiling: dict[int, Future] = {}
+        # Compiles sent without waiting (program_id_on), by program id, until their reply: (reply, stream).
+        self._compiling: dict[int, tuple[Future, WorkerLink]] = {}
         self._control: dict[str, WorkerLink] = {}
         self._layouts = LayoutBook()
         self._sessions: weakref.WeakSet[ClusterSession] = weakref.WeakSet()
@@ -197,35 +197,39 @@ class ClusterRuntime:
         The compile goes on ``link`` (the stream of the command that uses the id; the worker serves
         a stream in order, so that command waits there for the compile) and is not waited for: no
         caller, the proxy's event loop least of all, waits for a worker here. A compile that fails
-        fails the commands that use the id, and the next use compiles again.
+        fails the commands that use the id, and the next use compiles again. While the compile is
+        on its way on another stream (another session's), it is sent on ``link`` too, under the
+        same id: streams are not ordered with each other (the worker compiles once, by content).
         """
         with self._lock:
             known = self._compiled.setdefault(program, {})
             program_id = known.get(worker.incarnation)
-            if program_id is not None:
+            sent = self._compiling.get(program_id) if program_id is not None else None
+            if program_id is not None and (sent is None or link is None or sent[1] is link):
                 return program_id
-            program_id = known[worker.incarnation] = next(self._program_ids)
+            new = program_id is None
+            if new:
+                program_id = known[worker.incarnation] = next(self._program_ids)
+        link = link or self.control_link(worker)
         try:
             reply = self._send_compile(
-                link or self.control_link(worker),
-                program_id,
-                program.stablehlo,
-                program.compile_options,
-                program.local_device_ids,
+                link, program_id, program.stablehlo, program.compile_options, program.local_device_ids
             )
         except RequestError:
-            with self._lock:
-                known.pop(worker.incarnation, None)
+            if new:
+                with self._lock:
+                    known.pop(worker.incarnation, None)
             raise
 
         def replied(future: Future) -> None:
             with self._lock:
-                self._compiling.pop(program_id, None)
+                if self._compiling.get(program_id, (None,))[0] is future:
+                    del self._compiling[program_id]
                 if future.exception() is not None and known.get(worker.incarnation) == program_id:
                     del known[worker.incarnation]
 
         with self._lock:
-            self._compiling[program_id] = reply
+            self._compiling[program_id] = (reply, link)
         reply.add_done_callback(replied)
         return program_id
 
@@ -233,9 +237,9 @@ class ClusterRuntime:
         """``program_id_on``, once the program is compiled there (blocks: for work off the event loop)."""
         program_id = self.program_id_on(program, worker)
         with self._lock:
-            reply = self._compiling.get(program_id)
-        if reply is not None:
-            reply.result()
+            sent = self._compiling.get(program_id)
+        if sent is not None:
+            sent[0].result()
         return program_id
 
     def _send_compile(

@@ -33,8 +33,6 @@ from pathways_nb.security import ClusterCredentials
 
 _LOGGER = logging.getLogger(__name__)
 
-# How often the batcher looks for arrays to forget when nothing else is queued.
-_IDLE_FLUSH_S = 0.2
 # How long a broken stream waits for the cluster to say why its worker went down (a launcher
 # reports a dead process within milliseconds; heartbeats take seconds and are not waited for).
 _CAUSE_WAIT_S = 0.5
@@ -171,20 +169,27 @@ class WorkerLink:
         return future
 
     def forget(self, array_id: int) -> None:
-        """Lets the worker drop an array no handle refers to any more (sent with the next batch)."""
-        self._forgotten.append(array_id)
+        """Lets the worker drop an array no handle refers to any more (sent with the next batch).
+
+        Called from finalizers, on any thread, at any moment: the condition's lock is re-entrant,
+        and the batcher wakes only if nothing else is queued (no timed wake-ups while idle).
+        """
+        with self._cond:
+            self._forgotten.append(array_id)
+            if len(self._forgotten) == 1 and not self._pending:
+                self._cond.notify()
 
     def _batches(self):
         yield pb.CommandBatch(session=self.session_key)
         while True:
             with self._cond:
-                while not self._pending and not self._closed and not self._forgotten:
-                    self._cond.wait(_IDLE_FLUSH_S)
+                while not self._pending and not self._closed and not self._forgotten and self._error is None:
+                    self._cond.wait()
                 commands, self._pending = self._pending, []
-                closed = self._closed
-            forgotten = []
-            while self._forgotten:
-                forgotten.append(self._forgotten.popleft())
+                closed = self._closed or self._error is not None  # a broken stream takes no more
+                forgotten = []
+                while self._forgotten:  # one at a time: a finalizer on this thread may add more meanwhile
+                    forgotten.append(self._forgotten.popleft())
             if forgotten:
                 commands.append(pb.Command(forget=pb.Forget(ids=forgotten)))
             if commands:

@@ -28,9 +28,19 @@ class Programs:
         self._lock = threading.Lock()
 
     def expect(self, program_id: int) -> None:
-        """Notes a compile of ``program_id`` on its way (in stream order, before it runs)."""
+        """Notes a compile of ``program_id`` on its way (in stream order, before it runs).
+
+        The same id may come on several streams (sessions that first ran the program at once);
+        the first compile that finishes gives it to all.
+        """
         with self._lock:
-            self._by_id[program_id] = ArrayRecord(0, (), None)
+            self._entry(program_id)
+
+    def _entry(self, program_id: int) -> ArrayRecord:
+        record = self._by_id.get(program_id)
+        if record is None or record.error is not None:
+            record = self._by_id[program_id] = ArrayRecord(0, (), None)
+        return record
 
     def compile(
         self, program_id: int, stablehlo: bytes, options: bytes, device_ids: tuple[int, ...]
@@ -38,18 +48,18 @@ class Programs:
         key = (hashlib.sha256(stablehlo).digest(), hashlib.sha256(options).digest(), device_ids)
         with self._lock:
             program = self._by_content.get(key)
-            record = self._by_id.get(program_id)
-            if record is None or record.ready:
-                record = self._by_id[program_id] = ArrayRecord(0, (), None)
+            record = self._entry(program_id)
         if program is None:
             try:
                 program = self.runtime.compile(stablehlo, options, device_ids)
             except Exception as error:
-                record.fail(as_request_error(error))
+                if not record.ready:
+                    record.fail(as_request_error(error))
                 raise
         with self._lock:
             program = self._by_content.setdefault(key, program)
-        record.set(program)
+        if not record.ready:
+            record.set(program)
         return program_to_proto(program)
 
     def record(self, program_id: int) -> ArrayRecord:
