@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import time
 
@@ -220,3 +221,19 @@ def test_directories_of_dead_processes_are_reaped():
         assert not dead.exists() and alive.exists()
     finally:
         alive.rmdir()
+
+
+def test_a_killed_workers_files_go_when_it_is_replaced(proxy, cluster):
+    """SIGKILL runs no atexit: the worker the supervisor starts in its place removes what it left."""
+    if cluster.path == GRPC:
+        pytest.skip("workers without shared memory write no files")
+    session = proxy
+    island1 = IfrtSharding(session.device_ids[2:3])
+    host = np.ones(1 << 20, np.float32)
+    assert session.to_host(session.put(host, island1)).tobytes() == host.tobytes()  # its reply was a file
+    old_pid = cluster.workers[(1, 0)].process.pid
+    (directory,) = [d for d in shared_memory.private_root().iterdir() if _owner(d) == old_pid]
+    (directory / "in-flight").write_bytes(bytes(10))  # as if it died while a reader was on its way
+    os.kill(old_pid, signal.SIGKILL)
+    cluster.wait_for_worker(1, 0, timeout_s=60, not_pid=old_pid)
+    assert not directory.exists()
