@@ -202,6 +202,21 @@ def test_no_file_is_left_behind(proxy, cluster):
     assert [f for d in mine for f in d.iterdir()] == []
 
 
+def test_a_download_the_proxy_cannot_take_comes_over_grpc(proxy, cluster, tmp_path, monkeypatch):
+    """A worker's file the proxy cannot take (here: the proxy's private root moved meanwhile): fetched again."""
+    if cluster.path == GRPC:
+        pytest.skip("workers without shared memory write no files")
+    session = proxy
+    sharding = IfrtSharding(session.device_ids[:1])
+    link = _link(session, sharding.device_ids[0])
+    host = np.arange(1 << 18, dtype=np.int32)
+    array = session.put(host, sharding)
+    monkeypatch.setenv(shared_memory.ROOT_ENV, str(tmp_path))
+    before = link.moved.copy()
+    assert session.to_host(array).tobytes() == host.tobytes()
+    assert link.moved - before == {GRPC: host.nbytes}
+
+
 def _owner(directory) -> int:
     parts = directory.name.rsplit("-", 2)
     return int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else -1
