@@ -31,8 +31,14 @@ _LOGGER = logging.getLogger(__name__)
 TOKEN_ENV = "PATHWAYS_CLUSTER_TOKEN"
 METADATA_KEY = "authorization"
 NEEDS_TOKEN = "this endpoint needs the cluster token: pass --token_file or set PATHWAYS_CLUSTER_TOKEN"
-# Methods served without a token: health checks, and the IFRT proxy protocol (its stock client sends none).
-OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/xla.ifrt.proxy.GrpcIfrtService/")
+# Methods served without a token: health checks, the IFRT proxy protocol (its stock client sends none), and
+# the proxy's host probe (a hash that only says whether a caller shares this host: plain JAX_PLATFORMS=proxy
+# processes, which hold no token, ask it before their client exists to choose shared-memory uploads).
+OPEN_METHOD_PREFIXES = (
+    "/grpc.health.v1.Health/",
+    "/xla.ifrt.proxy.GrpcIfrtService/",
+    "/pathways_nb.v1.Observe/GetHost",
+)
 
 
 def generate_token() -> str:

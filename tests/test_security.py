@@ -77,6 +77,17 @@ def test_health_checks_need_no_token(secured):
         assert answer.status == health_pb2.HealthCheckResponse.SERVING, endpoint
 
 
+def test_the_host_probe_needs_no_token_and_says_only_whether_the_caller_shares_the_host(secured):
+    """Plain JAX_PLATFORMS=proxy processes hold no token; they ask before their client exists."""
+    from pathways_nb import shared_memory
+    from pathways_nb.session_options import shared_memory_key
+
+    with grpc.insecure_channel(_endpoints(secured)["observe"]) as channel:
+        host = cluster_pb2_grpc.ObserveStub(channel).GetHost(pb.GetHostRequest(), timeout=10)
+    assert host.shared_memory_key == shared_memory_key()
+    assert shared_memory.host_key() not in str(host)  # a hash, not the host's identity
+
+
 def test_children_get_the_token_in_their_environment_and_never_print_it(secured):
     for child in secured.processes():
         assert secured.token not in " ".join(child.process.args), child.name
