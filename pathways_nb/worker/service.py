@@ -35,6 +35,11 @@ _LOGGER = logging.getLogger(__name__)
 SERVICE_NAME = "pathways_nb.v1.Worker"
 
 
+# Events (for timelines) are not urgent: with no reply to go with, they leave at most this long
+# after the first of them, so a busy device's programs cost one message per batch, not one each.
+_EVENTS_DELAY_S = 0.05
+
+
 class _Replies:
     """Replies queued from any thread, drained in batches by the stream's writer."""
 
@@ -50,7 +55,7 @@ class _Replies:
     def put(self, reply: pb.Reply) -> None:
         with self._lock:
             self._items.append(reply)
-            first = len(self._items) + len(self._events) == 1
+            first = len(self._items) == 1
         if first:
             self._wake()
 
@@ -59,7 +64,7 @@ class _Replies:
             self._events.append(recorded)
             first = len(self._items) + len(self._events) == 1
         if first:
-            self._wake()
+            self._wake_later()
 
     def close(self) -> None:
         self._closed = True
@@ -70,6 +75,12 @@ class _Replies:
             self._ready.set()
         else:
             self._loop.call_soon_threadsafe(self._ready.set)
+
+    def _wake_later(self) -> None:
+        if threading.get_ident() == self._loop_thread:
+            self._loop.call_later(_EVENTS_DELAY_S, self._ready.set)
+        else:
+            self._loop.call_soon_threadsafe(self._loop.call_later, _EVENTS_DELAY_S, self._ready.set)
 
     async def batches(self) -> AsyncIterator[pb.ReplyBatch]:
         while True:
