@@ -23,7 +23,10 @@ import shutil
 import stat
 import tempfile
 import threading
+import weakref
 from pathlib import Path
+
+import numpy as np
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -34,6 +37,12 @@ ENABLE_ENV = "PATHWAYS_SHARED_MEMORY"
 # Below this, bytes that can ride in a message already being sent cost less there than a file does.
 MIN_BYTES = 64 << 10
 _DEFAULT_PARENT = "/dev/shm"
+
+# Files kept behind the mappings ``take(..., keep=outbox)`` made, by mapping (weakly): such a file
+# can be handed on whole to another process of this host without a copy (``Outbox.hand_over``),
+# and is removed when its mapping goes otherwise.
+_kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_kept_lock = threading.Lock()
 
 
 class NotShared(OSError):
@@ -115,20 +124,55 @@ class Outbox:
         """Whether a process that reported ``other_key`` can take this process's files."""
         return bool(self.host_key) and other_key == self.host_key
 
+    def _new_path(self, prefix: str) -> Path:
+        with self._lock:
+            if self._directory is None:
+                self._directory = SharedDirectory(self.purpose)
+            directory = self._directory
+        return directory.path / f"{prefix}{next(self._names)}"
+
     def write(self, prefix: str, data) -> Path | None:
         """``data`` (any buffer) in a new file whose name starts with ``prefix``; None if that failed."""
         path = None
         try:
-            with self._lock:
-                if self._directory is None:
-                    self._directory = SharedDirectory(self.purpose)
-                directory = self._directory
-            path = directory.path / f"{prefix}{next(self._names)}"
-            return directory.write(path.name, data)
+            path = self._new_path(prefix)
+            return self._directory.write(path.name, data)
         except OSError as error:
             _LOGGER.debug("shared memory failed here (%s); sending the bytes over gRPC", error)
             if path is not None:
                 path.unlink(missing_ok=True)
+            return None
+
+    def adopt(self, path: str | os.PathLike) -> Path | None:
+        """Moves another process's file into this outbox (one tmpfs: a rename, no copy); None if that failed."""
+        try:
+            target = self._new_path("kept-")
+            os.rename(path, target)
+            return target
+        except OSError as error:
+            _LOGGER.debug("cannot keep %s (%s); it is removed once mapped", path, error)
+            return None
+
+    def hand_over(self, prefix: str, data) -> Path | None:
+        """The file behind ``data``, renamed to start with ``prefix``, if ``data`` is the whole of a mapping
+        ``take(..., keep=self)`` made; else None. The receiver takes the file (or the caller discards it).
+        """
+        mapping = _mapping_behind(data)
+        if mapping is None or not _covers(data, mapping):
+            return None
+        with _kept_lock:
+            kept = _kept.pop(mapping, None)
+        if kept is None:
+            return None
+        path, finalizer = kept
+        finalizer.detach()
+        try:
+            target = self._new_path(prefix)
+            os.rename(path, target)
+            return target
+        except OSError as error:
+            _LOGGER.debug("cannot hand %s over (%s); writing a copy", path, error)
+            Path(path).unlink(missing_ok=True)
             return None
 
     def remove(self, prefix: str) -> None:
@@ -190,11 +234,14 @@ def contains(path: str | os.PathLike) -> bool:
     return resolved.is_relative_to(root.resolve()) and resolved != root.resolve()
 
 
-def take(path: str | os.PathLike, size: int) -> memoryview:
+def take(path: str | os.PathLike, size: int, keep: Outbox | None = None) -> memoryview:
     """The ``size`` bytes of the file at ``path``, mapped (copy-on-write, so writable); the file is removed.
 
-    Raises ``NotShared`` (and removes nothing) if the path is outside the
-    private root, is not a regular file of this user, or has another size.
+    With ``keep``, the file moves into that outbox instead and stays while the mapping lives, so
+    that ``keep.hand_over`` can pass the same bytes on to another process of this host without a
+    copy (a proxy forwarding a client's upload to its worker). Raises ``NotShared`` (and removes
+    nothing) if the path is outside the private root, is not a regular file of this user, or has
+    another size.
     """
     if not contains(path):
         raise NotShared(f"{path} is not in this user's private shared-memory directory")
@@ -208,9 +255,33 @@ def take(path: str | os.PathLike, size: int) -> memoryview:
             raise NotShared(f"{path} is not a regular file of this user")
         if info.st_size != size:
             raise NotShared(f"{path} holds {info.st_size} bytes, not the {size} declared")
-        os.unlink(path)
+        kept = keep.adopt(path) if keep is not None and size > 0 else None
+        if kept is None:
+            os.unlink(path)
         if size == 0:
             return memoryview(bytearray())
-        return memoryview(mmap.mmap(descriptor, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE))
+        mapping = mmap.mmap(descriptor, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        if kept is not None:
+            with _kept_lock:
+                _kept[mapping] = (kept, weakref.finalize(mapping, discard, kept))
+        return memoryview(mapping)
     finally:
         os.close(descriptor)
+
+
+def _mapping_behind(data) -> mmap.mmap | None:
+    """The mapping whose memory ``data`` (a memoryview or numpy array of views of views) is, if any."""
+    obj = data
+    for _ in range(32):
+        if isinstance(obj, mmap.mmap):
+            return obj
+        obj = obj.obj if isinstance(obj, memoryview) else getattr(obj, "base", None)
+        if obj is None:
+            return None
+    return None
+
+
+def _covers(data, mapping: mmap.mmap) -> bool:
+    """Whether ``data`` is exactly the bytes of ``mapping``: same start, same length."""
+    view, whole = np.frombuffer(data, np.uint8), np.frombuffer(mapping, np.uint8)
+    return view.nbytes == whole.nbytes and view.ctypes.data == whole.ctypes.data

@@ -238,6 +238,34 @@ def test_directories_of_dead_processes_are_reaped():
         alive.rmdir()
 
 
+def test_a_kept_upload_is_handed_on_as_the_same_file_and_otherwise_goes_with_its_mapping():
+    """A client's upload the proxy keeps (``take(keep=)``) reaches a worker with no copy in the proxy."""
+    import gc
+
+    client, outbox = shared_memory.SharedDirectory("client"), shared_memory.Outbox("keeper")
+    values = np.arange(1 << 16, dtype=np.float32)
+    try:
+        path = client.write("lt_1", values)
+        inode = os.stat(path).st_ino
+        kept = shared_memory.take(path, values.nbytes, keep=outbox)
+        assert not path.exists()
+        host = memoryview(np.ascontiguousarray(np.frombuffer(kept, np.float32)).reshape(-1).view(np.uint8))
+        assert outbox.hand_over("link-", host[4:]) is None  # only the whole buffer goes on as its file
+        handed = outbox.hand_over("link-", host)
+        assert handed is not None and handed.name.startswith("link-") and os.stat(handed).st_ino == inode
+        assert outbox.hand_over("link-", host) is None  # handed on once
+        assert np.array_equal(np.frombuffer(shared_memory.take(handed, values.nbytes), np.float32), values)
+        assert not handed.exists()
+
+        again = shared_memory.take(client.write("lt_2", values), values.nbytes, keep=outbox)
+        assert [p.name.startswith("kept-") for p in outbox._directory.path.iterdir()] == [True]
+        del again
+        gc.collect()
+        assert list(outbox._directory.path.iterdir()) == []  # not handed on: removed with its mapping
+    finally:
+        client.close()
+
+
 def test_a_killed_workers_files_go_when_it_is_replaced(proxy, cluster):
     """SIGKILL runs no atexit: the worker the supervisor starts in its place removes what it left."""
     if cluster.path == GRPC:

@@ -37,6 +37,7 @@ from pathways_nb.protocol.errors import (
 )
 from pathways_nb.proxy.context import Quota
 from pathways_nb.proxy.deadlines import Deadlines
+from pathways_nb.proxy.worker_link import OUTBOX
 
 
 class HostBuffers:
@@ -99,7 +100,7 @@ class HostBuffers:
                     raise InvalidRequest(f"negative buffer size {size} for host buffer {handle}")
                 reserved = self.reserve(size, f"the upload of host buffer {handle}")
                 try:
-                    data = shared_memory.take(path, size)
+                    data = shared_memory.take(path, size, keep=OUTBOX)
                 except shared_memory.NotShared as e:
                     self.release(reserved)
                     raise DataLoss(f"host buffer {handle} could not be read from shared memory: {e}") from None

@@ -119,7 +119,8 @@ class WorkerLink:
     def put(self, array_id: int, meta: pb.ArrayMeta, data: memoryview) -> None:
         """Uploads row-major bytes as array ``array_id``: one file through shared memory, else in chunks."""
         if self.shared_memory and data.nbytes >= shared_memory.MIN_BYTES:
-            path = OUTBOX.write(self._file_prefix, data)
+            # A client's upload the proxy kept as a file goes on as that file: no copy here.
+            path = OUTBOX.hand_over(self._file_prefix, data) or OUTBOX.write(self._file_prefix, data)
             if path is not None:
                 shared = pb.SharedFile(path=str(path), size=data.nbytes)
                 try:
