@@ -258,6 +258,13 @@ class DeviceSession(Protocol):
 
     def copy(self, value, sharding: IfrtSharding) -> DeviceValue: ...
 
+    def copy_blocks(self, value, sharding: IfrtSharding) -> bool:
+        """Whether ``copy`` would wait for the devices (it reads the value into the server first).
+
+        The proxy then runs it off its event loop, so that other requests never wait behind it.
+        """
+        ...
+
     def compile(self, program: bytes, compile_options: bytes, device_ids: Sequence[int]) -> ProgramInfo: ...
 
     def execute(self, program: ProgramInfo, args: Sequence, keep: frozenset[int] = frozenset()) -> list: ...

@@ -1,7 +1,8 @@
 """The proxy's event loop never waits for a worker: one session's slow worker round trip holds up no one else.
 
-Session A asks for a program's cost analysis, which its island's worker
-answers, while that worker is stopped (SIGSTOP, shorter than the resource
+Session A asks for something its island's worker must answer first (a program's cost
+analysis; a reshard that the proxy does through its own memory, reading the array) while
+that worker is stopped (SIGSTOP, shorter than the resource
 manager's heartbeat time-out, so nothing is declared dead). Session B, on the
 other island, meanwhile runs a program and reads its result: its requests are
 served on the same event loop, and must not wait for A's answer.
@@ -35,6 +36,21 @@ SLOW = """
     print("flops", costs["flops"], flush=True)
 """
 
+# Replicating an array sharded over both islands (an IFRT reshard, as pathwaysutils sends it): no
+# worker holds all of it, so the proxy reads it.
+SLOW_RESHARD = """
+    import sys, jax, numpy as np, pathways_nb, pathwaysutils.reshard
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    pathways_nb.connect(sys.argv[1], tenant="slow")
+    mesh = Mesh(np.array(jax.devices()), ("x",))      # island 0's device and island 1's
+    a = jax.device_put(np.arange(8, dtype=np.float32), NamedSharding(mesh, P("x"))).block_until_ready()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    print("asking", flush=True)
+    b = pathwaysutils.reshard.reshard(a, NamedSharding(mesh, P()))
+    print("value", float(np.asarray(b)[5]), flush=True)
+"""
+
 PROMPT = """
     import sys, time, jax, numpy as np, pathways_nb
     pathways_nb.connect(sys.argv[1], tenant="prompt", islands=[1])
@@ -63,9 +79,10 @@ def _go(process: subprocess.Popen) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_a_stopped_worker_holds_up_only_the_session_that_waits_for_it():
+@pytest.mark.parametrize(("slow_code", "answer"), [(SLOW, "flops"), (SLOW_RESHARD, "value")], ids=["cost", "reshard"])
+def test_a_stopped_worker_holds_up_only_the_session_that_waits_for_it(slow_code, answer):
     with LocalCluster(islands=2, devices_per_host=1) as cluster:
-        slow = python_process(SLOW, cluster.address)
+        slow = python_process(slow_code, cluster.address)
         prompt = python_process(PROMPT, cluster.address)
         worker = cluster.workers[(0, 0)].process
         resume = threading.Timer(STOPPED_S, os.kill, (worker.pid, signal.SIGCONT))
@@ -83,8 +100,9 @@ def test_a_stopped_worker_holds_up_only_the_session_that_waits_for_it():
             assert word == "served" and float(value) == 7.0
             # Served while A's worker was still stopped, not after it was let go.
             assert float(seconds) < 1.0 and waited < STOPPED_S, (seconds, waited)
-            word, flops = _line(slow).split()
-            assert word == "flops" and float(flops) > 0
+            word, number = _line(slow).split()
+            assert word == answer and float(number) > 0  # flops, or element 5 of arange(8)
+            assert answer != "value" or float(number) == 5.0
         finally:
             resume.cancel()
             os.kill(worker.pid, signal.SIGCONT)

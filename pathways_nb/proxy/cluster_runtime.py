@@ -42,7 +42,13 @@ from pathways_nb.protocol.errors import (
 )
 from pathways_nb.protocol.layouts import LayoutBook
 from pathways_nb.protocol.shardings import IfrtSharding
-from pathways_nb.proxy.remote_arrays import MultiHostArray, RemoteArray, ShardedRemoteArray, explain_failure
+from pathways_nb.proxy.remote_arrays import (
+    MultiHostArray,
+    PartedArray,
+    RemoteArray,
+    ShardedRemoteArray,
+    explain_failure,
+)
 from pathways_nb.proxy.worker_link import WorkerLink, WorkerLost
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
@@ -620,15 +626,21 @@ class ClusterSession:
         value.link.send(pb.Command(send=send))
         return RemoteArray(target, array_id, value.kind, shape, sharding)
 
+    def copy_blocks(self, value, sharding: IfrtSharding) -> bool:
+        """Whether the copy goes through the proxy (no source shard holds some target shard): it reads the value."""
+        if isinstance(value, RemoteArray) and len(self._worker_ids(sharding)) == 1:
+            return False
+        source_regions = _source_regions(value)
+        return any(
+            not any(_contains(region, _region(index, value.shape)) for region in source_regions)
+            for index in sharding.shard_indices(value.shape)
+        )
+
     def _copy_by_shards(self, value, sharding: IfrtSharding):
         """Each target shard sent from the source shard that holds it; through the proxy if none does."""
         shape = value.shape
         sources = value.parts if isinstance(value, ShardedRemoteArray) else [value]
-        source_regions = (
-            [_region(index, shape) for index in value.sharding.shard_indices(shape)]
-            if isinstance(value, ShardedRemoteArray)
-            else [tuple(slice(0, d) for d in shape)]
-        )
+        source_regions = _source_regions(value)
         parts = []
         for device_id, index in zip(sharding.device_ids, sharding.shard_indices(shape), strict=True):
             wanted = _region(index, shape)
@@ -636,7 +648,7 @@ class ClusterSession:
                 (i for i, region in enumerate(source_regions) if _contains(region, wanted)),
                 None,
             )
-            if holder is None:
+            if holder is None:  # (``copy_blocks`` says so beforehand: the proxy runs this copy off its loop)
                 return self.put(self.to_host(value), sharding)
             relative = tuple(
                 slice(w.start - r.start, w.stop - r.start) for w, r in zip(wanted, source_regions[holder], strict=True)
@@ -807,6 +819,13 @@ class ClusterSession:
         for link in links:
             link.close()
         lease.cancel()
+
+
+def _source_regions(value) -> list[tuple[slice, ...]]:
+    """The region of the global array each part of ``value`` holds (a single array: all of it)."""
+    if isinstance(value, PartedArray):
+        return [_region(index, value.shape) for index in value.sharding.shard_indices(value.shape)]
+    return [tuple(slice(0, d) for d in value.shape)]
 
 
 def _region(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:

@@ -92,6 +92,10 @@ class LocalSession:
         self.cost_analysis = runtime.cost_analysis
         self.program_text = runtime.program_text
 
+    def copy_blocks(self, value, sharding: IfrtSharding) -> bool:
+        """Never: jax copies between this process's devices asynchronously."""
+        return False
+
     def check_sharding(self, sharding: IfrtSharding) -> None:
         """The checks a cluster session makes too (``runtime_api.check_sharding``), with the same words."""
         check_sharding(sharding, self._memory_kinds)

@@ -50,7 +50,7 @@ class RemoteArray:
             pass
 
 
-class _PartedArray:
+class PartedArray:
     """An array held as several remote arrays (its parts), deleted and waited for together."""
 
     __slots__ = ("parts", "shape", "sharding")
@@ -77,7 +77,7 @@ class _PartedArray:
         return self
 
 
-class ShardedRemoteArray(_PartedArray):
+class ShardedRemoteArray(PartedArray):
     """An array whose shards live on several workers: one single-device array per device."""
 
     __slots__ = ()
@@ -88,7 +88,7 @@ class ShardedRemoteArray(_PartedArray):
 _LOSS_WAIT_S = 2.0
 
 
-class MultiHostArray(_PartedArray):
+class MultiHostArray(PartedArray):
     """An array of an island of several hosts: each host holds its part of one island-wide array.
 
     Every part has the array's global shape and sharding; a host's part holds the shards of that

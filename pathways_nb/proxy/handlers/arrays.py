@@ -268,11 +268,19 @@ def make_error_arrays(session, request, op_id):
 
 
 def _derive(
-    session, handle: int, inputs: list[ArrayRecord], record: ArrayRecord, make, semantics: int, new_memory: bool = True
+    session,
+    handle: int,
+    inputs: list[ArrayRecord],
+    record: ArrayRecord,
+    make,
+    semantics: int,
+    new_memory: bool = True,
+    blocks=lambda: False,
 ) -> int:
     """Adds ``record`` under ``handle`` and fills it with ``make()`` once ``inputs`` are ready.
 
     ``new_memory``: the result takes memory of its own (not a view of an input's), so it counts against the quota.
+    ``blocks()``: whether ``make`` waits for devices (then it runs off the event loop, on the wait pool).
     """
     handle = handle or session.server_handle()
     if new_memory:
@@ -281,11 +289,20 @@ def _derive(
     else:
         session.add_array(handle, record)
 
-    def work():
-        record.set(make())
-        if semantics == DONATE_INPUT:
+    def finish(value, error) -> None:
+        if error is not None:
+            record.fail(error)
+            return
+        record.set(value)
+        if semantics == DONATE_INPUT:  # only once made: a donated input is read until then
             for source in inputs:
                 source.delete()
+
+    def work():
+        if blocks():
+            session.in_background(make, finish)
+        else:
+            finish(make(), None)
 
     session.after(inputs, work, outputs=[record])
     return handle
@@ -370,6 +387,7 @@ def _move_all(session, sources: list[ArrayRecord], targets: list[IfrtSharding], 
                 record,
                 lambda s=source, t=target: session.runtime.copy(s.live(), t),
                 semantics,
+                blocks=lambda s=source, t=target: session.runtime.copy_blocks(s.live(), t),
             )
         )
     return handles_out
