@@ -222,7 +222,6 @@ def connect(
     # The client waits a little longer than the server, so that the server's reason arrives.
     os.environ[jax_plugin.TIMEOUT_ENV] = str(timeout_s + 5)
     jax_plugin.session_options = options
-    jax_plugin.observe_token = token
     backend.clear_backends()
     jax.config.update("jax_platforms", f"{jax_plugin.PLATFORM},cpu")
     jax.config.update("jax_backend_target", address)
@@ -367,6 +366,5 @@ def _restore(previous: _Previous) -> None:
     backend.clear_backends()
     jax_plugin.unregister()
     jax_plugin.session_options = None
-    jax_plugin.observe_token = None
     jax.config.update("jax_platforms", previous.platforms)
     jax.config.update("jax_backend_target", previous.backend_target)

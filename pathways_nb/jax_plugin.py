@@ -33,10 +33,8 @@ _SHARED_PURPOSE = "ifrt"
 # this, and the process then uses gRPC.
 PROBE_TIMEOUT_S = 0.5
 
-# Set by pathways_nb.connect: what this process asks of the cluster (None: the defaults),
-# and the cluster token its observe API wants (None: $PATHWAYS_CLUSTER_TOKEN).
+# Set by pathways_nb.connect: what this process asks of the cluster (None: the defaults).
 session_options = None
-observe_token = None
 # This process's shared-memory uploads, once its first client turned them on.
 _uploads = None
 _first_client = True
@@ -199,10 +197,10 @@ def _server_key(target: str, timeout_s: float) -> str:
     import grpc
 
     from pathways_nb.rpc import cluster_pb2, cluster_pb2_grpc
-    from pathways_nb.security import ClusterCredentials, token_from_env
+    from pathways_nb.security import ClusterCredentials
 
-    credentials = ClusterCredentials(token=observe_token or token_from_env())
-    channel = credentials.channel(target.removeprefix("grpc://"))
+    # The probe needs no token (security.OPEN_METHOD_PREFIXES): plain JAX_PLATFORMS=proxy processes hold none.
+    channel = ClusterCredentials().channel(target.removeprefix("grpc://"))
     try:
         stub = cluster_pb2_grpc.ObserveStub(channel)
         return stub.GetHost(cluster_pb2.GetHostRequest(), timeout=timeout_s, wait_for_ready=True).shared_memory_key
