@@ -10,6 +10,7 @@ here, so that both refuse the same bad input with the same words.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -214,6 +215,10 @@ class Runtime(Protocol):
         """The devices, workers, allocations and queue (a ``pathways_nb.v1.ClusterState``)."""
         ...
 
+    def serve_on(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The proxy's event loop, before any session opens: streams of the runtime's own may live there."""
+        ...
+
     def close(self) -> None:
         """Lets go of everything (the server is stopping)."""
         ...
@@ -239,6 +244,10 @@ class DeviceSession(Protocol):
 
     def default_layout(self, dtype: np.dtype, dims: Sequence[int], device_id: int, memory_kind: str = "") -> bytes:
         """The serialized default layout; never fails for a device of the session (the client aborts on errors)."""
+        ...
+
+    def layout_waits(self, dtype: np.dtype, dims: Sequence[int], device_id: int, memory_kind: str = "") -> bool:
+        """Whether ``default_layout`` would ask a worker (the proxy then asks off its event loop)."""
         ...
 
     def check_sharding(self, sharding: IfrtSharding) -> None: ...

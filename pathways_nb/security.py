@@ -153,6 +153,16 @@ class ClusterCredentials:
             channel = grpc.intercept_channel(channel, SendToken(self.token))
         return channel
 
+    def aio_channel(self, address: str, options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
+        """``channel`` for grpc.aio, made on the loop it serves; its calls pass ``call_metadata()``."""
+        if self.tls_ca is not None:
+            return grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(self.tls_ca), options=options)
+        return grpc.aio.insecure_channel(address, options=options)
+
+    def call_metadata(self) -> tuple[tuple[str, str], ...]:
+        """The token as call metadata (what ``channel`` adds to every call)."""
+        return ((METADATA_KEY, _bearer(self.token)),) if self.token else ()
+
     def child_env(self) -> dict[str, str]:
         """Environment variables that hand the token to a child server (never its command line, which ps shows)."""
         return {TOKEN_ENV: self.token} if self.token else {}

@@ -10,10 +10,13 @@ stream to a worker moved each way, and the worker's own transfer events.
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
 import os
 import signal
 import subprocess
+import threading
 import time
 
 import numpy as np
@@ -280,3 +283,35 @@ def test_a_killed_workers_files_go_when_it_is_replaced(proxy, cluster):
     os.kill(old_pid, signal.SIGKILL)
     cluster.wait_for_worker(1, 0, timeout_s=60, not_pid=old_pid)
     assert not directory.exists()
+
+
+def test_waiting_for_a_worker_on_the_loop_of_its_stream_is_refused_not_hung(proxy, cluster):
+    """The loop that reads a link's replies must never wait for one: the link says so instead of hanging."""
+    link = _link(proxy, 0)
+    answered = link.request(pb.Command(wait=pb.Wait()), "wait")
+
+    async def wait_on_the_loop():
+        return link.result(answered)
+
+    with pytest.raises(RuntimeError, match="would never end"):
+        asyncio.run_coroutine_threadsafe(wait_on_the_loop(), proxy.cluster.loop).result(10)
+    assert link.result(answered).done  # off that loop, the same wait gets its reply
+
+
+def test_an_array_pushed_before_its_session_opens_waits_for_the_session(cluster):
+    """A peer's push and the proxy's stream race to a worker; a push that wins waits for the session."""
+    address = cluster.workers[(0, 0)].hostport
+    stub = cluster_pb2_grpc.WorkerStub(cluster.credentials.channel(address))
+    key, host = f"test-early-push-{os.getpid()}", np.arange(5, dtype=np.int32)
+    meta = array_meta(dtypes.from_numpy(host.dtype), host.shape, IfrtSharding((0,), ""))
+    pushed = stub.PushArray.future(iter([pb.ArrayChunk(session=key, id=7, meta=meta, data=host.tobytes())]))
+    time.sleep(0.5)
+    assert not pushed.done()  # waiting for the session, not refused
+    batches = iter(
+        [pb.CommandBatch(session=key), pb.CommandBatch(commands=[pb.Command(fetch=pb.Fetch(id=7, request=1))])]
+    )
+    stream = stub.Session(itertools.chain(batches, iter(threading.Event().wait, True)))
+    pushed.result(timeout=10)
+    reply = next(r for batch in stream for r in batch.replies if r.request == 1)
+    assert np.frombuffer(reply.data, host.dtype).tolist() == host.tolist()
+    stream.cancel()

@@ -33,6 +33,13 @@ class LayoutBook:
         self._known: dict[tuple, bytes] = {}
         self._lock = threading.Lock()
 
+    def known(self, platform: str, key: tuple) -> bool:
+        """Whether ``layout`` answers without asking a worker."""
+        if platform in ROW_MAJOR_PLATFORMS:
+            return True
+        with self._lock:
+            return (platform, *key) in self._known
+
     def layout(
         self, platform: str, key: tuple, dims: Sequence[int], ask: Callable[[], bytes], fallback_on: type[Exception]
     ) -> bytes:

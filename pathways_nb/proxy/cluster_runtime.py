@@ -17,6 +17,7 @@ refused with an explanation of how to pipeline across them.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import logging
@@ -101,6 +102,7 @@ class ClusterRuntime:
         self._layouts = LayoutBook()
         self._sessions: weakref.WeakSet[ClusterSession] = weakref.WeakSet()
         self._workers: dict[str, pb.WorkerState] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._watching = threading.Event()
         self._closed = False
         self._watcher = threading.Thread(target=self._watch, name="pathways-cluster-watch", daemon=True)
@@ -155,6 +157,21 @@ class ClusterRuntime:
         except grpc.RpcError as error:
             raise _rm_error(error, self.rm_address) from None
 
+    # -- the loop the worker streams live on ---------------------------------------------------
+
+    def serve_on(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Runs the streams to workers on ``loop``, the proxy's own (before any session opens)."""
+        self._loop = loop
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The streams' loop: the proxy's, or (used without a proxy server) a loop thread of its own."""
+        with self._lock:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                threading.Thread(target=self._loop.run_forever, name="pathways-links", daemon=True).start()
+            return self._loop
+
     # -- sessions --------------------------------------------------------------------------
 
     def open_session(self, session_id: int, attributes: dict[str, Any], events: EventSink) -> ClusterSession:
@@ -188,12 +205,15 @@ class ClusterRuntime:
 
     def control_link(self, worker: pb.Device) -> WorkerLink:
         """The proxy's own stream to a worker, for compiling and querying programs."""
+        loop = self.loop
         with self._lock:
             link = self._control.get(worker.worker_id)
             if link is None or not link.alive or link.incarnation != worker.incarnation:
                 if link is not None:
                     link.close()
-                link = WorkerLink(worker, f"{self.key}-control-{worker.incarnation}", credentials=self.credentials)
+                link = WorkerLink(
+                    worker, f"{self.key}-control-{worker.incarnation}", loop, credentials=self.credentials
+                )
                 self._control[worker.worker_id] = link
             return link
 
@@ -245,7 +265,8 @@ class ClusterRuntime:
         with self._lock:
             sent = self._compiling.get(program_id)
         if sent is not None:
-            sent[0].result()
+            reply, link = sent
+            link.result(reply)
         return program_id
 
     def _send_compile(
@@ -261,11 +282,12 @@ class ClusterRuntime:
     ) -> RemoteProgram:
         """Compiles on every host of the program at once (blocks: it runs on the compile pool)."""
         ids = [next(self._program_ids) for _ in hosts]
+        links = [self.control_link(host) for host in hosts]
         replies = [
-            self._send_compile(self.control_link(host), program_id, stablehlo, options, local_ids)
-            for host, program_id in zip(hosts, ids, strict=True)
+            self._send_compile(link, program_id, stablehlo, options, local_ids)
+            for link, program_id in zip(links, ids, strict=True)
         ]
-        compiled = [reply.result().compiled for reply in replies]
+        compiled = [link.result(reply).compiled for link, reply in zip(links, replies, strict=True)]
         info = program_from_proto(compiled[0], tuple(device_ids))
         program = RemoteProgram(
             **{f.name: getattr(info, f.name) for f in dataclasses.fields(ProgramInfo)},
@@ -322,7 +344,11 @@ class ClusterRuntime:
                 link.send(pb.Command(forget_program=pb.ForgetProgram(program=program_id)))
 
     def query(self, worker: pb.Device, command: pb.Command, field: str) -> pb.Reply:
-        return self.control_link(worker).request(command, field).result()
+        link = self.control_link(worker)
+        return link.result(link.request(command, field))
+
+    def layout_waits(self, device: pb.Device, dtype_kind: int, dims: tuple[int, ...], memory_kind: str) -> bool:
+        return not self._layouts.known(device.platform, (device.kind, dtype_kind, dims, memory_kind))
 
     def default_layout(self, device: pb.Device, dtype_kind: int, dims: tuple[int, ...], memory_kind: str) -> bytes:
         """The device's default layout, answered whatever the state of its worker (see ``proxy.layouts``)."""
@@ -474,6 +500,7 @@ class ClusterSession:
             link = WorkerLink(
                 device,
                 f"{self.cluster.key}-s{self.session_id}-{device.incarnation}",
+                self.cluster.loop,
                 self._worker_events,
                 credentials=self.cluster.credentials,
                 cause=lambda: self.cluster.down_reason(device.worker_id, device.incarnation),
@@ -509,7 +536,7 @@ class ClusterSession:
         with self._lock:
             link = self._links.get(worker.worker_id)
         if link is not None and link.alive and link.incarnation == worker.incarnation:
-            link._lost(worker.down_reason or "it missed its heartbeats")
+            link.declare_lost(worker.down_reason or "it missed its heartbeats")
 
     def _worker_ids(self, sharding: IfrtSharding) -> list[str]:
         return sorted({self._device(d).worker_id for d in sharding.device_ids})
@@ -522,6 +549,10 @@ class ClusterSession:
 
     def check_sharding(self, sharding: IfrtSharding) -> None:
         check_sharding(sharding, lambda device_id: self._device(device_id).memory_kinds)
+
+    def layout_waits(self, dtype: np.dtype, dims: Sequence[int], device_id: int, memory_kind: str = "") -> bool:
+        device = self._device(device_id)
+        return self.cluster.layout_waits(device, dtypes.from_numpy(dtype), tuple(dims), memory_kind)
 
     def default_layout(self, dtype: np.dtype, dims: Sequence[int], device_id: int, memory_kind: str = "") -> bytes:
         device = self._current(self._device(device_id))
@@ -750,9 +781,9 @@ class ClusterSession:
         peers = [link.address for link in links[1:]]
         for host_index, (host, link) in enumerate(zip(hosts, links, strict=True)):
             execute = pb.Execute(
-                # Compiled on every host (or, after a host restarted, once more there first: the
-                # island's order takes a program's parts only once they are compiled).
-                program=self.cluster.compiled_on(program, host),
+                # Compiled on every host; after a host restarted, compiled there again on this stream,
+                # not waited for (the host takes its turn in the island's order once it is compiled).
+                program=self.cluster.program_id_on(program, host, link),
                 args=[arg.parts[host_index].array_id for arg in args],
                 results=[parts[host_index].array_id for parts in results],
                 keep=sorted(keep),

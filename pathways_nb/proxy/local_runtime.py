@@ -28,6 +28,9 @@ class LocalProxyRuntime:
         """Every session of a single-process server shares all its devices."""
         return LocalSession(self.runtime, events)
 
+    def serve_on(self, loop) -> None:
+        """Nothing runs on the proxy's loop: the devices are this process's own."""
+
     def close(self) -> None:
         """Nothing to close: the devices go with the process."""
 
@@ -94,6 +97,10 @@ class LocalSession:
 
     def copy_blocks(self, value, sharding: IfrtSharding) -> bool:
         """Never: jax copies between this process's devices asynchronously."""
+        return False
+
+    def layout_waits(self, dtype, dims: Sequence[int], device_id: int, memory_kind: str = "") -> bool:
+        """Never: this process's own client knows its layouts."""
         return False
 
     def check_sharding(self, sharding: IfrtSharding) -> None:

@@ -40,7 +40,7 @@ class RemoteArray:
 
     def block_until_ready(self) -> RemoteArray:
         wait = pb.Command(wait=pb.Wait(ids=[self.array_id]))
-        self.link.request(wait, "wait").result()
+        self.link.result(self.link.request(wait, "wait"))
         return self
 
     def __del__(self) -> None:

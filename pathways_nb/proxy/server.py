@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from pathways_nb.aio_server import BackgroundServer
 from pathways_nb.proxy import observe
 from pathways_nb.proxy.context import ProxyContext, ProxyLimits
@@ -37,6 +39,7 @@ class ProxyServer:
                 [SERVICE_NAME, observe.SERVICE_NAME],
                 port,
                 host,
+                on_start=self._serve_runtime,
                 on_stop=self._close_sessions,
                 credentials=credentials,
             )
@@ -44,6 +47,9 @@ class ProxyServer:
             self.context.close()
             raise
         self.host, self.port = host, self._server.port
+
+    async def _serve_runtime(self) -> None:
+        self.context.runtime.serve_on(asyncio.get_running_loop())
 
     async def _close_sessions(self) -> None:
         self.service.close()

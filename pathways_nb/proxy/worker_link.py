@@ -1,10 +1,17 @@
 """A proxy session's command stream to one worker.
 
-Commands are queued without waiting and go out in batches: whatever has been
-queued when gRPC asks for the next message goes in it, so a burst of requests
-costs one message. Requests that want an answer get a future. If the stream
-breaks (the worker died or restarted), every waiting future and every later
-command fails with an error that names the island and host.
+Commands are queued without waiting, from any thread, and go out in batches:
+whatever has been queued when the stream's writer next runs goes in one
+message, so a burst of requests costs one message. Requests that want an
+answer get a future. If the stream breaks (the worker died or restarted),
+every waiting future and every later command fails with an error that names
+the island and host.
+
+The stream is a grpc.aio call on the proxy's own event loop (the one that
+serves its clients; see ``ClusterRuntime.serve_on``): a command queued on the
+loop costs no thread hop and no lock handoff, and one loop per process is
+what grpc.aio wants. Nothing on that loop may wait for a reply (it would wait
+for itself): ``result`` refuses to, and blocking work runs on the proxy's pools.
 
 Array bytes go through shared memory when the worker is on this host (its
 host key equals ours, see ``pathways_nb.shared_memory``): the message carries
@@ -14,6 +21,7 @@ fails, they go in the messages themselves.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import itertools
 import logging
@@ -53,10 +61,12 @@ class WorkerLink:
         self,
         worker: pb.Device,
         session_key: str,
+        loop: asyncio.AbstractEventLoop,
         on_events: Callable[[WorkerLink, list], None] | None = None,
         credentials: ClusterCredentials | None = None,
         cause: Callable[[], str] | None = None,
     ):
+        """``loop``: the running event loop the stream lives on (any thread may call the link)."""
         self.worker_id = worker.worker_id
         self.address = worker.worker_address
         self.island = worker.island
@@ -73,20 +83,23 @@ class WorkerLink:
         # Why the worker went down, once the cluster knows (its launcher reports how the process ended).
         self._cause = cause
         self._on_events = on_events
+        self._credentials = credentials or ClusterCredentials()
         # The worker's clock minus ours, as low as seen (network delay only makes it look larger).
         self.clock_offset = float("inf")
-        self._cond = threading.Condition()
+        # Re-entrant: finalizers (``forget``) may run on any thread while it is held.
+        self._lock = threading.RLock()
         self._pending: list[pb.Command] = []
         self._forgotten: collections.deque[int] = collections.deque()
+        self._wake_queued = False  # a wake-up of the writer is on its way (no second one is needed)
         self._closed = False
         self._error: RequestError | None = None
         self._ids = itertools.count(1)
         self._requests = itertools.count(1)
         self._waiters: dict[int, tuple[Future, list[bytes] | None]] = {}
-        self._channel = (credentials or ClusterCredentials()).channel(self.address, options=SERVER_OPTIONS)
-        self._call = cluster_pb2_grpc.WorkerStub(self._channel).Session(self._batches())
-        self._reader = threading.Thread(target=self._read, name=f"pathways-link-{self.worker_id}", daemon=True)
-        self._reader.start()
+        self._loop = loop
+        self._wakeup: asyncio.Event | None = None
+        self._call = None
+        self._on_loop(self._open)
 
     def describe(self) -> str:
         return f"island {self.island} host {self.host_index} ({self.address})"
@@ -107,14 +120,15 @@ class WorkerLink:
 
     def send(self, command: pb.Command) -> None:
         """Queues a command; raises ``WorkerLost`` if the worker is gone."""
-        with self._cond:
+        with self._lock:
             if self._error is not None:
                 raise self._error
             if self._closed:
                 raise Unavailable(f"the session's link to {self.describe()} is closed")
             self._pending.append(command)
-            if len(self._pending) == 1:
-                self._cond.notify()
+            wake = self._queue_wake()
+        if wake:
+            self._on_loop(self._wake)
 
     def put(self, array_id: int, meta: pb.ArrayMeta, data: memoryview) -> None:
         """Uploads row-major bytes as array ``array_id``: one file through shared memory, else in chunks."""
@@ -137,7 +151,7 @@ class WorkerLink:
         self._count("gRPC", data.nbytes)
 
     def _count(self, way: str, nbytes: int) -> None:
-        with self._cond:
+        with self._lock:
             self.moved[way] += nbytes
 
     def fetch(self, array_id: int) -> memoryview | bytearray:
@@ -145,26 +159,41 @@ class WorkerLink:
 
         The worker decides: a small array comes in the reply (``shared_memory.MIN_BYTES``).
         """
+        received = None
         if self.shared_memory:
             try:
-                return self.request(pb.Command(fetch=pb.Fetch(id=array_id, shared_memory=True)), "fetch", True).result()
+                fetch = pb.Command(fetch=pb.Fetch(id=array_id, shared_memory=True))
+                received = self.result(self.request(fetch, "fetch", collect_bytes=True))
             except shared_memory.NotShared as error:
                 _LOGGER.debug("array %d from %s: %s; fetching it over gRPC", array_id, self.describe(), error)
-        return self.request(pb.Command(fetch=pb.Fetch(id=array_id)), "fetch", collect_bytes=True).result()
+        if received is None:
+            received = self.result(self.request(pb.Command(fetch=pb.Fetch(id=array_id)), "fetch", collect_bytes=True))
+        if isinstance(received, list):  # the bytes came in messages
+            return bytearray().join(received)  # one copy (here, not on the loop), and writable as the array it becomes
+        return received
+
+    def result(self, future: Future):
+        """Waits for a reply of this link; refused on the event loop the link lives on, which would wait for itself."""
+        if self._on_its_loop():
+            raise RuntimeError(
+                f"waiting for {self.describe()} on the event loop that reads its replies would never end; "
+                "this work belongs on the proxy's wait pool"
+            )
+        return future.result()
 
     def request(self, command: pb.Command, field: str, collect_bytes: bool = False) -> Future:
         """Queues a command that answers; the future gets the reply (or the fetched bytes)."""
         request_id = next(self._requests)
         getattr(command, field).request = request_id
         future: Future = Future()
-        with self._cond:
+        with self._lock:
             if self._error is not None:
                 raise self._error
             self._waiters[request_id] = (future, [] if collect_bytes else None)
         try:
             self.send(command)
         except RequestError:
-            with self._cond:
+            with self._lock:
                 self._waiters.pop(request_id, None)
             raise
         return future
@@ -172,37 +201,83 @@ class WorkerLink:
     def forget(self, array_id: int) -> None:
         """Lets the worker drop an array no handle refers to any more (sent with the next batch).
 
-        Called from finalizers, on any thread, at any moment: the condition's lock is re-entrant,
-        and the batcher wakes only if nothing else is queued (no timed wake-ups while idle).
+        Called from finalizers, on any thread, at any moment (the lock is re-entrant).
         """
-        with self._cond:
+        with self._lock:
             self._forgotten.append(array_id)
-            if len(self._forgotten) == 1 and not self._pending:
-                self._cond.notify()
+            wake = self._queue_wake()
+        if wake:
+            self._on_loop(self._wake)
 
-    def _batches(self):
-        yield pb.CommandBatch(session=self.session_key)
-        while True:
-            with self._cond:
-                while not self._pending and not self._closed and not self._forgotten and self._error is None:
-                    self._cond.wait()
-                commands, self._pending = self._pending, []
-                closed = self._closed or self._error is not None  # a broken stream takes no more
-                forgotten = []
-                while self._forgotten:  # one at a time: a finalizer on this thread may add more meanwhile
-                    forgotten.append(self._forgotten.popleft())
-            if forgotten:
-                commands.append(pb.Command(forget=pb.Forget(ids=forgotten)))
-            if commands:
-                yield pb.CommandBatch(commands=commands)
-            if closed:
-                return
+    def _queue_wake(self) -> bool:
+        """Whether the writer must be woken (under the lock): not if a wake-up is already on its way."""
+        if self._wake_queued:
+            return False
+        self._wake_queued = True
+        return True
+
+    def _on_loop(self, function: Callable[[], None]) -> None:
+        """Runs ``function`` on the link's loop: now if this is its thread, else soon."""
+        if self._on_its_loop():
+            function()
+            return
+        try:
+            self._loop.call_soon_threadsafe(function)
+        except RuntimeError:
+            pass  # the loop is closed: the process is ending, and the stream with it
+
+    def _on_its_loop(self) -> bool:
+        try:
+            return asyncio.get_running_loop() is self._loop
+        except RuntimeError:  # no loop runs on this thread
+            return False
+
+    def _wake(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def _open(self) -> None:
+        """Starts the stream (on the loop): a writer that sends the batches, a reader that takes the replies."""
+        self._wakeup = asyncio.Event()
+        self._channel = self._credentials.aio_channel(self.address, options=SERVER_OPTIONS)
+        self._call = cluster_pb2_grpc.WorkerStub(self._channel).Session(metadata=self._credentials.call_metadata())
+        self._tasks = (self._loop.create_task(self._write()), self._loop.create_task(self._read()))
+
+    def _next_batch(self) -> tuple[pb.CommandBatch | None, bool]:
+        """What is queued, as one message (None: nothing), and whether the stream takes no more after it."""
+        with self._lock:
+            commands, self._pending = self._pending, []
+            self._wake_queued = False
+            closed = self._closed or self._error is not None  # a broken stream takes no more
+            forgotten = []
+            while self._forgotten:  # one at a time: a finalizer on this thread may add more meanwhile
+                forgotten.append(self._forgotten.popleft())
+        if forgotten:
+            commands.append(pb.Command(forget=pb.Forget(ids=forgotten)))
+        return (pb.CommandBatch(commands=commands) if commands else None), closed
+
+    async def _write(self) -> None:
+        try:
+            await self._call.write(pb.CommandBatch(session=self.session_key))
+            while True:
+                batch, last = self._next_batch()
+                if batch is not None:
+                    await self._call.write(batch)
+                if last:
+                    await self._call.done_writing()
+                    return
+                if batch is None:
+                    await self._wakeup.wait()
+                    self._wakeup.clear()
+        except (grpc.RpcError, asyncio.InvalidStateError):
+            pass  # the stream ended: the reader says why
 
     # -- receiving -------------------------------------------------------------------------
 
-    def _read(self) -> None:
+    async def _read(self) -> None:
+        detail = "the worker ended the session"
         try:
-            for batch in self._call:
+            async for batch in self._call:
                 if batch.clock:
                     self.clock_offset = min(self.clock_offset, time.time() - batch.clock)
                 for reply in batch.replies:
@@ -212,15 +287,17 @@ class WorkerLink:
                         recorded.start += self.clock_offset
                         recorded.end += self.clock_offset
                     self._on_events(self, list(batch.events))
-            if not self._closed:
-                self._lost(self._cause_of_loss("the worker ended the session"))
         except grpc.RpcError as error:
-            if not self._closed:
-                self._lost(self._cause_of_loss(f"{error.code().name}: {error.details()}"))
+            detail = f"{error.code().name}: {error.details()}"
+        except Exception:  # a reply that cannot be handed on must not leave its waiters hanging
+            _LOGGER.exception("reading the stream of %s failed", self.describe())
+            detail = "its replies could not be read (see the proxy's log)"
+        if not self._closed:
+            self.declare_lost(await self._cause_of_loss(detail))
 
     def _deliver(self, reply: pb.Reply) -> None:
         kind = reply.WhichOneof("reply")
-        with self._cond:
+        with self._lock:
             entry = self._waiters.get(reply.request)
             if entry is None:
                 if kind == "shared":
@@ -245,13 +322,12 @@ class WorkerLink:
             else:
                 self._count("shared memory", reply.shared.size)
         elif chunks is not None and kind == "data":
-            data = bytearray().join(chunks)  # one copy, and writable as the array it becomes
-            self._count("gRPC", len(data))
-            future.set_result(data)
+            self._count("gRPC", sum(len(chunk) for chunk in chunks))
+            future.set_result(chunks)  # joined by the waiter (``fetch``), off the loop
         else:
             future.set_result(reply)
 
-    def _cause_of_loss(self, detail: str) -> str:
+    async def _cause_of_loss(self, detail: str) -> str:
         """``detail``, or the cluster's reason for the loss if it arrives within a moment of the broken stream."""
         deadline = time.monotonic() + _CAUSE_WAIT_S
         while self._cause is not None:
@@ -260,31 +336,36 @@ class WorkerLink:
                 return cause
             if time.monotonic() > deadline:
                 break
-            time.sleep(0.01)
+            await asyncio.sleep(0.01)
         return detail
 
-    def _lost(self, detail: str) -> None:
+    def declare_lost(self, detail: str) -> None:
+        """The worker is gone (the stream broke, or the cluster says so): every waiter and later command fails."""
         error = WorkerLost(
             f"{self.describe()} is unreachable ({detail}); arrays on island {self.island} are lost and "
             f"work on it fails until the worker is back. Other islands keep serving"
         )
         _LOGGER.warning("%s", error.message)
-        with self._cond:
+        with self._lock:
             self._error = error
             waiters, self._waiters = self._waiters, {}
-            self._cond.notify_all()
+        self._on_loop(self._wake)  # the writer ends the stream's sending side
         for future, _data in waiters.values():
             future.set_exception(error)
         OUTBOX.remove(self._file_prefix)  # uploads the worker will never take
 
     def close(self) -> None:
         """Ends the stream (the worker drops the session's arrays); pending requests fail."""
-        with self._cond:
+        with self._lock:
             self._closed = True
             waiters, self._waiters = self._waiters, {}
-            self._cond.notify_all()
         for future, _data in waiters.values():
             future.set_exception(Unavailable(f"the session's link to {self.describe()} was closed"))
-        self._call.cancel()
-        self._channel.close()
+        self._on_loop(self._shut)
         OUTBOX.remove(self._file_prefix)
+
+    def _shut(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self._call.cancel()
+        self._loop.create_task(self._channel.close())

@@ -38,6 +38,9 @@ SERVICE_NAME = "pathways_nb.v1.Worker"
 # Events (for timelines) are not urgent: with no reply to go with, they leave at most this long
 # after the first of them, so a busy device's programs cost one message per batch, not one each.
 _EVENTS_DELAY_S = 0.05
+# How long an array pushed by a peer waits for its session's stream from the proxy to open (the
+# proxy opens it before it asks the peer to send, but the two streams are not ordered).
+EARLY_PUSH_WAIT_S = 10.0
 
 
 class _Replies:
@@ -102,6 +105,9 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
         self.programs = Programs(runtime)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="pathways-worker")
         self.sessions: dict[str, WorkerSession] = {}
+        # Pushes that arrived before their session's stream (streams from the proxy and from peers
+        # race), by session key: each waits a moment for it (on the loop).
+        self._early_pushes: dict[str, list[asyncio.Future]] = {}
         self._peers: dict[str, cluster_pb2_grpc.WorkerStub] = {}
         self._peers_lock = threading.Lock()
         # The order of this host's island for programs that span its hosts (see worker.gang).
@@ -143,6 +149,9 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
             self.outbox,
         )
         self.sessions[key] = session
+        for waiting in self._early_pushes.pop(key, ()):
+            if not waiting.done():
+                waiting.set_result(None)
         _LOGGER.info("session %s opened", key)
 
         async def serve() -> None:
@@ -179,7 +188,7 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
             chunks.append(chunk.data)
         if header is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "an empty push: the first chunk names the array")
-        session = self.sessions.get(header.session)
+        session = await self._session_for_push(header.session)
         if session is None:
             if header.HasField("shared"):
                 shared_memory.discard(header.shared.path)
@@ -194,6 +203,25 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
         error = header.error if header.HasField("error") else None
         session.arrive(header.id, header.meta, data, error)
         return pb.PushArrayResponse()
+
+    async def _session_for_push(self, key: str) -> WorkerSession | None:
+        """The session a push is for; one whose stream is still on its way is waited for, a moment."""
+        session = self.sessions.get(key)
+        if session is not None:
+            return session
+        opened = asyncio.get_running_loop().create_future()
+        self._early_pushes.setdefault(key, []).append(opened)
+        try:
+            await asyncio.wait_for(opened, EARLY_PUSH_WAIT_S)
+        except asyncio.TimeoutError:
+            return None
+        finally:
+            waiting = self._early_pushes.get(key)
+            if waiting is not None and opened in waiting:
+                waiting.remove(opened)
+                if not waiting:
+                    del self._early_pushes[key]
+        return self.sessions.get(key)
 
     def push(self, peer_address: str, header: pb.ArrayChunk, host: np.ndarray | None) -> bool:
         """Sends an array (or, in ``header.shared``, the file that holds it) to a peer worker, on a pool thread.

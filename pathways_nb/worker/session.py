@@ -248,7 +248,8 @@ class WorkerSession:
             self._assign_step(command)
         self._gang_waiting.add(key)
         try:
-            program = self.programs.get(command.program)
+            # Compiled, or compiling (a host that restarted compiles again, on this stream, first).
+            compiled = self.programs.record(command.program)
             args = [self._record(i) for i in command.args]
             results = [self._new(i) for i in command.results]
         except RequestError:
@@ -258,14 +259,14 @@ class WorkerSession:
         arrived = time.time()
 
         def dispatch() -> list:
-            return self._dispatch(program, args, results, keep, arrived)
+            return self._dispatch(compiled.value, args, results, keep, arrived)
 
         def take_turn() -> None:
             self._gang_waiting.discard(key)
             self._order.ready(key, dispatch)
 
         try:
-            run_after(args, take_turn, self.lock, results, on_error=lambda _error: self._give_up_turn(key))
+            run_after([compiled, *args], take_turn, self.lock, results, on_error=lambda _error: self._give_up_turn(key))
         except Exception:
             self._give_up_turn(key)
             raise

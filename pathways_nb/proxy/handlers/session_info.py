@@ -96,8 +96,23 @@ def get_default_layout(session, request, op_id):
     # (Zero dims do not save XLA, which multiplies the others first.)
     if math.prod(max(d, 1) for d in request.dims) * dtype.itemsize >= 1 << 63:
         raise InvalidRequest(f"an array of {dtype}{list(request.dims)} has more bytes than a 64-bit size can count")
-    layout = session.runtime.default_layout(dtype, request.dims, request.device_id, request.memory_kind)
-    return session.messages.proxy.GetDefaultLayoutResponse(serialized_pjrt_layout=layout)
+    runtime, dims = session.runtime, tuple(request.dims)
+
+    def layout() -> bytes:
+        return runtime.default_layout(dtype, dims, request.device_id, request.memory_kind)
+
+    if not runtime.layout_waits(dtype, dims, request.device_id, request.memory_kind):
+        return session.messages.proxy.GetDefaultLayoutResponse(serialized_pjrt_layout=layout())
+
+    def done(serialized: bytes, error) -> None:
+        if error is not None:
+            session.reply_error(op_id, error)
+        else:
+            response = session.messages.proxy.GetDefaultLayoutResponse(serialized_pjrt_layout=serialized)
+            session.reply(op_id, "get_default_layout_response", response)
+
+    session.in_background(layout, done)  # a worker is asked: never on the event loop
+    return DEFERRED
 
 
 @handles("get_default_device_assignment_request")
