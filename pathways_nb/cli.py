@@ -9,9 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
-import threading
 import time
 from collections.abc import Sequence
 
@@ -111,6 +109,7 @@ def _up(args: argparse.Namespace) -> int:
     import tempfile
 
     from pathways_nb.cluster import LocalCluster
+    from pathways_nb.processes import StopRequest
 
     cluster = LocalCluster(
         islands=args.islands,
@@ -126,8 +125,7 @@ def _up(args: argparse.Namespace) -> int:
         token_directory = tempfile.TemporaryDirectory(prefix="pathways-nb-token-")
         token_file = os.path.join(token_directory.name, "token")
         security.write_token_file(token_file, cluster.token)
-    stopped = threading.Event()
-    _stop_on_signals(lambda: stopped.set())
+    stop = StopRequest()
     spec = cluster.spec
     print(
         f"pathways-nb cluster serving {cluster.address}: {spec.islands} island(s) x {spec.hosts_per_island} "
@@ -139,7 +137,7 @@ def _up(args: argparse.Namespace) -> int:
         flush=True,
     )
     try:
-        stopped.wait()
+        stop.wait()
     finally:
         cluster.close()
         if token_directory is not None:
@@ -175,26 +173,18 @@ def _deploy_k8s(args: argparse.Namespace) -> int:
 
 
 def _serve(server, message: str, started: float, port_file: str | None) -> int:
-    """Announces a started server, stops it on SIGINT/SIGTERM (or when its launcher dies), and waits."""
-    from pathways_nb.processes import exit_with_parent
+    """Announces a started server, and stops it on SIGINT/SIGTERM or when its launcher dies."""
+    from pathways_nb.processes import StopRequest, exit_with_parent
 
-    _stop_on_signals(server.stop)
-    exit_with_parent(server.stop)
+    stop = StopRequest()
+    exit_with_parent(stop.request)
     print(f"{message} (started in {time.monotonic() - started:.1f} s)", flush=True)
     if port_file:
         with open(port_file, "w") as f:
             f.write(str(server.port))
-    server.wait()
+    logging.getLogger("pathways_nb").info("stopping %s", stop.wait())
+    server.stop()
     return 0
-
-
-def _stop_on_signals(stop) -> None:
-    def handler(signum, _frame):
-        logging.getLogger("pathways_nb").info("stopping on %s", signal.Signals(signum).name)
-        stop()
-
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
 
 
 def build_parser() -> argparse.ArgumentParser:

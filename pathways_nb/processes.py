@@ -43,6 +43,35 @@ def exit_with_parent(stop, interval_s: float = 1.0) -> None:
     threading.Thread(target=watch, name="pathways-parent-watch", daemon=True).start()
 
 
+class StopRequest:
+    """What ends a server process, SIGINT or SIGTERM or its launcher's death, waited for on its main thread.
+
+    The signal handler only writes a byte to a pipe. Stopping the server inside the handler could
+    hang the process for good: the handler runs on the main thread wherever that thread was, maybe
+    holding a lock the stop needs (logging's), and a second signal runs it again inside the first.
+    Once the stop is under way, more signals are ignored (SIGKILL still ends a stop that hangs).
+    """
+
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        os.write(self._write, bytes([signum]))
+
+    def request(self) -> None:
+        """Asks for the stop (from any thread)."""
+        os.write(self._write, b"\0")
+
+    def wait(self) -> str:
+        """Blocks until a stop is asked for; says why. Later signals are ignored: the stop is under way."""
+        (signum,) = os.read(self._read, 1)
+        for ignored in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(ignored, signal.SIG_IGN)  # (else the exiting interpreter restores their default)
+        return f"on {signal.Signals(signum).name}" if signum else "because its launcher exited"
+
+
 class Status(enum.Enum):
     created = "created"
     starting = "starting"
