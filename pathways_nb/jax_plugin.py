@@ -14,6 +14,7 @@ reads from two variables once per process): see ``_shared_uploads``.
 from __future__ import annotations
 
 import os
+import sys
 
 PLATFORM = "proxy"
 # Same variable as Google's pathwaysutils, so settings carry over.
@@ -88,6 +89,7 @@ def make_client():
             "JAX_PLATFORMS includes 'proxy' but no server address is set: set "
             "JAX_BACKEND_TARGET=grpc://host:port, or call pathways_nb.connect('grpc://host:port')"
         )
+    _refuse_a_server_of_this_process(target)
     # The client defaults to ALTS, which works only inside Google Cloud; our clusters (and
     # Pathways on Cloud behind a port-forward) are reached over plain gRPC.
     os.environ.setdefault(INSECURE_ENV, "true")
@@ -103,6 +105,20 @@ def make_client():
     # No on_disconnect callback: the client calls it from its destructor, which at interpreter
     # exit runs after Python can no longer be entered, and the process aborts.
     return ifrt_proxy.get_client(target, options)
+
+
+def _refuse_a_server_of_this_process(target: str) -> None:
+    """Raises if ``target`` is a proxy this process serves itself (the connection would hang for good)."""
+    served = sys.modules.get("pathways_nb.proxy.server")
+    port = target.rpartition(":")[2]
+    if served is None or not port.isdigit() or not served.serves_here(int(port)) or not _is_local(target):
+        return
+    raise RuntimeError(
+        f"the IFRT proxy at {target} runs in this Python process, and jaxlib's client holds the GIL "
+        "while it waits for the server's replies, so the two would wait for each other forever. Serve it "
+        "from another process: `pathways-nb proxy`, `pathways-nb up`, or pathways_nb.cluster.LocalCluster "
+        "(whose servers are child processes)"
+    )
 
 
 class _SharedUploads:

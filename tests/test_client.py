@@ -95,6 +95,32 @@ def test_a_server_that_accepts_but_never_answers_gets_the_timeout():
     assert 2.5 <= float(seconds) < 30 and "within 3 s" in message
 
 
+def test_connecting_to_a_proxy_served_by_this_very_process_is_refused_not_hung():
+    """jaxlib's client holds the GIL while it waits for a compile: a server in its own process could never answer."""
+    result = _run(
+        """
+        import time, jax, numpy as np, pathways_nb
+        from pathways_nb.proxy.local_runtime import LocalProxyRuntime
+        from pathways_nb.proxy.server import ProxyServer
+        from pathways_nb.worker.runtime import LocalRuntime
+        server = ProxyServer(LocalProxyRuntime(LocalRuntime("cpu", 1)))
+        started = time.monotonic()
+        try:
+            pathways_nb.connect(server.address, timeout_s=60)
+        except pathways_nb.ConnectionFailed as error:
+            print(round(time.monotonic() - started, 1), error)
+        print(jax.jit(lambda x: x + 1)(np.float32(1)), jax.devices()[0].platform)  # JAX is still local
+        server.stop()
+        """
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    first, last = result.stdout.strip().splitlines()
+    seconds, message = first.split(" ", 1)
+    assert float(seconds) < 10
+    assert "runs in this Python process" in message and "pathways-nb up" in message
+    assert last == "2.0 cpu"
+
+
 @pytest.mark.parametrize(
     ("given", "expected"),
     [("localhost:29000", "grpc://localhost:29000"), (" grpc://10.0.0.1:1 ", "grpc://10.0.0.1:1")],

@@ -12,6 +12,18 @@ from pathways_nb.rpc import cluster_pb2_grpc
 from pathways_nb.runtime_api import Runtime
 from pathways_nb.security import ClusterCredentials
 
+# The ports this process serves the IFRT proxy protocol on (see ``serves_here``).
+_SERVING: set[int] = set()
+
+
+def serves_here(port: int) -> bool:
+    """Whether this very process serves the IFRT proxy on ``port``.
+
+    Its own JAX must not connect there: jaxlib's client holds the GIL while it waits
+    for some replies (a compile), so a server in the same process never gets to send them.
+    """
+    return port in _SERVING
+
 
 class ProxyServer:
     """An IFRT proxy server on ``host:port`` (port 0 picks a free one), serving once constructed."""
@@ -47,6 +59,7 @@ class ProxyServer:
             self.context.close()
             raise
         self.host, self.port = host, self._server.port
+        _SERVING.add(self.port)
 
     async def _serve_runtime(self) -> None:
         self.context.runtime.serve_on(asyncio.get_running_loop())
@@ -61,6 +74,7 @@ class ProxyServer:
 
     def stop(self, grace_s: float | None = 1.0) -> None:
         """Stops serving, ends every session, frees the devices."""
+        _SERVING.discard(self.port)
         self._server.stop(grace_s)
         self.context.close()
 
