@@ -30,7 +30,9 @@ from pathways_nb.observe import Observer
 from pathways_nb.protocol import dtypes
 from pathways_nb.protocol.errors import RequestError
 from pathways_nb.protocol.shardings import IfrtSharding
+from pathways_nb.proxy import cluster_runtime
 from pathways_nb.proxy.cluster_runtime import ClusterRuntime
+from pathways_nb.proxy.worker_link import WorkerLost
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
 from pathways_nb.rpc.convert import array_meta
@@ -315,3 +317,23 @@ def test_an_array_pushed_before_its_session_opens_waits_for_the_session(cluster)
     reply = next(r for batch in stream for r in batch.replies if r.request == 1)
     assert np.frombuffer(reply.data, host.dtype).tolist() == host.tolist()
     stream.cancel()
+
+
+def test_a_broken_stream_to_a_healthy_worker_is_opened_again(proxy, cluster, monkeypatch):
+    """A stream can break while its worker lives on (here: cancelled under the link); the session is not cut off."""
+    monkeypatch.setattr(cluster_runtime, "RELINK_AFTER_S", 0.5)
+    broken = _link(proxy, 0)
+    kept = proxy.put(np.arange(3, dtype=np.float32), IfrtSharding((0,)))
+    proxy.cluster.loop.call_soon_threadsafe(lambda: broken._call.cancel())  # (after the stream opened)
+    deadline = time.monotonic() + 10
+    while broken.alive:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    with pytest.raises(WorkerLost):  # at first, new work fails with the break's error
+        _link(proxy, 0)
+    time.sleep(0.6)
+    fresh = _link(proxy, 0)
+    assert fresh is not broken and fresh.result(fresh.request(pb.Command(wait=pb.Wait()), "wait")).done
+    assert proxy.to_host(proxy.put(np.arange(3, dtype=np.float32), IfrtSharding((0,)))).tolist() == [0, 1, 2]
+    with pytest.raises(RequestError):  # what the broken stream held is lost with it
+        proxy.to_host(kept)

@@ -67,6 +67,10 @@ from pathways_nb.session_options import SECRET, SessionOptions
 
 _LOGGER = logging.getLogger(__name__)
 
+# How long after its stream to a worker broke a session opens a new one, if the cluster still finds
+# that worker healthy (a dead worker is reported well within this; see ``ClusterSession._link``).
+RELINK_AFTER_S = 5.0
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class RemoteProgram(ProgramInfo):
@@ -480,14 +484,21 @@ class ClusterSession:
         return current
 
     def _link(self, device: pb.Device) -> WorkerLink:
-        """This session's stream to the device's worker, opened (again) when needed."""
+        """This session's stream to the device's worker, opened (again) when needed.
+
+        A stream that broke to the worker's current process keeps failing new work with its
+        error, until the cluster says that process is gone (then the next one gets a new stream),
+        or, if the cluster still finds it healthy ``RELINK_AFTER_S`` later, the break was the
+        stream's alone, and a new one is opened: the arrays of the old one are lost either way.
+        """
         device = self._current(device)
         with self._lock:
             link = self._links.get(device.worker_id)
             if link is not None and (link.alive or link.incarnation == device.incarnation):
-                if not link.alive:
+                if link.alive:
+                    return link
+                if not (self._healthy(device) and link.lost_for_s() > RELINK_AFTER_S):
                     link.send(pb.Command())  # raises the WorkerLost error that ended it
-                return link
             if not device.healthy:
                 worker = self.cluster.worker(device.worker_id)
                 reason = f" ({worker.down_reason})" if worker is not None and worker.down_reason else ""
@@ -507,6 +518,11 @@ class ClusterSession:
             )
             self._links[device.worker_id] = link
             return link
+
+    def _healthy(self, device: pb.Device) -> bool:
+        """Whether the cluster finds the device's worker process (that incarnation) healthy now."""
+        worker = self.cluster.worker(device.worker_id)
+        return worker is not None and worker.healthy and worker.incarnation == device.incarnation
 
     def _island_links(self, island: int) -> list[WorkerLink]:
         """This session's links to the hosts of ``island``."""

@@ -46,6 +46,10 @@ _LOGGER = logging.getLogger(__name__)
 _CAUSE_WAIT_S = 0.5
 # Array bytes per message on the stream.
 CHUNK_BYTES = 4 << 20
+# Each stream gets a connection of its own: with gRPC's shared pool, a new stream to a worker that
+# just restarted on its old port inherits the failed connection's back-off (anyone who dialed the
+# port while it was down) and fails at once, and the session could never reach that worker again.
+LINK_OPTIONS = [*SERVER_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
 # The proxy's files for workers on its host.
 OUTBOX = shared_memory.Outbox("proxy")
 
@@ -93,6 +97,7 @@ class WorkerLink:
         self._wake_queued = False  # a wake-up of the writer is on its way (no second one is needed)
         self._closed = False
         self._error: RequestError | None = None
+        self._lost_at = 0.0
         self._ids = itertools.count(1)
         self._requests = itertools.count(1)
         self._waiters: dict[int, tuple[Future, list[bytes] | None]] = {}
@@ -112,6 +117,10 @@ class WorkerLink:
     def lost(self) -> WorkerLost | None:
         """Why the worker is gone (its host, island and cause), or None while it serves."""
         return self._error
+
+    def lost_for_s(self) -> float:
+        """Seconds since the stream broke (0 while it serves)."""
+        return time.monotonic() - self._lost_at if self._error is not None else 0.0
 
     def new_id(self) -> int:
         return next(self._ids)
@@ -239,7 +248,7 @@ class WorkerLink:
     def _open(self) -> None:
         """Starts the stream (on the loop): a writer that sends the batches, a reader that takes the replies."""
         self._wakeup = asyncio.Event()
-        self._channel = self._credentials.aio_channel(self.address, options=SERVER_OPTIONS)
+        self._channel = self._credentials.aio_channel(self.address, options=LINK_OPTIONS)
         self._call = cluster_pb2_grpc.WorkerStub(self._channel).Session(metadata=self._credentials.call_metadata())
         self._tasks = (self._loop.create_task(self._write()), self._loop.create_task(self._read()))
 
@@ -289,6 +298,10 @@ class WorkerLink:
                     self._on_events(self, list(batch.events))
         except grpc.RpcError as error:
             detail = f"{error.code().name}: {error.details()}"
+        except asyncio.CancelledError:
+            if self._closed:
+                raise
+            detail = "its stream was cancelled"  # (not by ``close``): its waiters must not hang either
         except Exception:  # a reply that cannot be handed on must not leave its waiters hanging
             _LOGGER.exception("reading the stream of %s failed", self.describe())
             detail = "its replies could not be read (see the proxy's log)"
@@ -348,6 +361,7 @@ class WorkerLink:
         _LOGGER.warning("%s", error.message)
         with self._lock:
             self._error = error
+            self._lost_at = time.monotonic()
             waiters, self._waiters = self._waiters, {}
         self._on_loop(self._wake)  # the writer ends the stream's sending side
         for future, _data in waiters.values():
