@@ -41,7 +41,7 @@ $(PY312_VENV)/bin/pathways-nb: pyproject.toml
 compat-venvs: $(OLD_CLIENT_VENV)/bin/python $(JAX09_CLIENT_VENV)/bin/python $(PY312_VENV)/bin/pathways-nb
 
 quickstart: install
-	$(BIN)/python -m pathways_nb.quickstart
+	$(BIN)/python -m pathways_nb.notebook.quickstart
 
 lint: install
 	$(BIN)/ruff check pathways_nb tests benchmarks

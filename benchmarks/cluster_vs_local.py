@@ -24,7 +24,7 @@ import jax
 import workloads
 
 import pathways_nb
-from pathways_nb.cluster import LocalCluster
+from pathways_nb.launch.local_cluster import LocalCluster
 
 
 def main() -> int:

@@ -19,7 +19,7 @@ import signal
 import threading
 import time
 
-from pathways_nb.cluster import LocalCluster
+from pathways_nb.launch.local_cluster import LocalCluster
 from pathways_nb.testing import python_process
 
 CLIENT = """

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from pathways_nb.cluster import LocalCluster
+from pathways_nb.launch.local_cluster import LocalCluster
 from pathways_nb.testing import python_process
 
 SMALL_PROGRAMS = """

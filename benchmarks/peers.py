@@ -333,7 +333,7 @@ def backend(name: str) -> Iterator[object]:
     if name == "local":
         yield Jax(jax.devices("cpu")[0])
     elif name == "proxy":
-        from pathways_nb.processes import ChildServer
+        from pathways_nb.launch.processes import ChildServer
 
         server = ChildServer("proxy", ["proxy", "--server_port", "0", "--devices", "1"])
         server.start()
@@ -344,7 +344,7 @@ def backend(name: str) -> Iterator[object]:
         finally:
             server.close()
     elif name == "cluster":
-        from pathways_nb.cluster import LocalCluster
+        from pathways_nb.launch.local_cluster import LocalCluster
 
         with LocalCluster(islands=1, devices_per_host=1) as cluster:
             pathways_nb.connect(cluster.address, progress=False)

@@ -26,8 +26,8 @@ import psutil
 import workloads
 
 import pathways_nb
-from pathways_nb import jax_plugin
-from pathways_nb.processes import ChildServer
+from pathways_nb.client import jax_plugin
+from pathways_nb.launch.processes import ChildServer
 
 MIB = 1 << 20
 

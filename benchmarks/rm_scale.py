@@ -31,10 +31,10 @@ import time
 import grpc
 import psutil
 
-from pathways_nb.processes import ChildServer
+from pathways_nb.core.security import METADATA_KEY, ClusterCredentials, generate_token
+from pathways_nb.launch.processes import ChildServer
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
-from pathways_nb.security import METADATA_KEY, ClusterCredentials, generate_token
 
 DEVICES_PER_HOST = 4
 

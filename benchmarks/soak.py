@@ -4,14 +4,14 @@
 
 Prints the number of checked operations, wrong results (must be 0) and
 errors, and each server process's RSS after the soak relative to after a
-warm-up (target: within 10%). See ``pathways_nb.soak``.
+warm-up (target: within 10%). See ``pathways_nb.testing.soak``.
 """
 
 from __future__ import annotations
 
 import sys
 
-from pathways_nb import soak
+from pathways_nb.testing import soak
 
 if __name__ == "__main__":
     sys.exit(soak.main())

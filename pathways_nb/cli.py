@@ -13,7 +13,8 @@ import sys
 import time
 from collections.abc import Sequence
 
-from pathways_nb import __version__, security
+from pathways_nb._version import __version__
+from pathways_nb.core import security
 
 
 def _serve_proxy(args: argparse.Namespace) -> int:
@@ -108,8 +109,8 @@ def _serve_worker(args: argparse.Namespace) -> int:
 def _up(args: argparse.Namespace) -> int:
     import tempfile
 
-    from pathways_nb.cluster import LocalCluster
-    from pathways_nb.processes import StopRequest
+    from pathways_nb.launch.local_cluster import LocalCluster
+    from pathways_nb.launch.processes import StopRequest
 
     cluster = LocalCluster(
         islands=args.islands,
@@ -174,7 +175,7 @@ def _deploy_k8s(args: argparse.Namespace) -> int:
 
 def _serve(server, message: str, started: float, port_file: str | None) -> int:
     """Announces a started server, and stops it on SIGINT/SIGTERM or when its launcher dies."""
-    from pathways_nb.processes import StopRequest, exit_with_parent
+    from pathways_nb.launch.processes import StopRequest, exit_with_parent
 
     stop = StopRequest()
     exit_with_parent(stop.request)

@@ -19,7 +19,7 @@ import pytest
 
 import pathways_nb
 from pathways_nb import testing
-from pathways_nb.cluster import LocalCluster
+from pathways_nb.launch.local_cluster import LocalCluster
 from pathways_nb.notebook import kernelspec
 
 jax.config.update("jax_num_cpu_devices", 4)

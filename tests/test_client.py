@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from pathways_nb.client import normalize_address
+from pathways_nb.client.connection import normalize_address
 
 
 def _run(code: str, *args: str) -> subprocess.CompletedProcess:

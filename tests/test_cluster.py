@@ -12,10 +12,10 @@ import grpc
 import psutil
 import pytest
 
-from pathways_nb.cluster import LocalCluster
+from pathways_nb.core.security import TOKEN_ENV
+from pathways_nb.launch.local_cluster import LocalCluster
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
-from pathways_nb.security import TOKEN_ENV
 from pathways_nb.testing import python_process
 
 
@@ -242,7 +242,7 @@ def test_children_stop_when_their_launcher_is_killed():
     launcher = python_process(
         """
         import time
-        from pathways_nb.cluster import LocalCluster
+        from pathways_nb.launch.local_cluster import LocalCluster
         cluster = LocalCluster(islands=1, devices_per_host=1)
         print(" ".join(str(c.process.pid) for c in cluster.processes()), flush=True)
         time.sleep(600)

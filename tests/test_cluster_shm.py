@@ -23,19 +23,19 @@ import numpy as np
 import psutil
 import pytest
 
-from pathways_nb import shared_memory
-from pathways_nb.cluster import LocalCluster
-from pathways_nb.events import EventLog
-from pathways_nb.observe import Observer
+from pathways_nb.client.observe import Observer
+from pathways_nb.core import shared_memory
+from pathways_nb.core.convert import array_meta
+from pathways_nb.core.events import EventLog
+from pathways_nb.launch.local_cluster import LocalCluster
 from pathways_nb.protocol import dtypes
 from pathways_nb.protocol.errors import RequestError
 from pathways_nb.protocol.shardings import IfrtSharding
-from pathways_nb.proxy import cluster_runtime
+from pathways_nb.proxy import cluster_session
 from pathways_nb.proxy.cluster_runtime import ClusterRuntime
 from pathways_nb.proxy.worker_link import WorkerLost
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
-from pathways_nb.rpc.convert import array_meta
 from pathways_nb.testing import python_process
 
 SHARED, GRPC = "shared memory", "gRPC"
@@ -321,7 +321,7 @@ def test_an_array_pushed_before_its_session_opens_waits_for_the_session(cluster)
 
 def test_a_broken_stream_to_a_healthy_worker_is_opened_again(proxy, cluster, monkeypatch):
     """A stream can break while its worker lives on (here: cancelled under the link); the session is not cut off."""
-    monkeypatch.setattr(cluster_runtime, "RELINK_AFTER_S", 0.5)
+    monkeypatch.setattr(cluster_session, "RELINK_AFTER_S", 0.5)
     broken = _link(proxy, 0)
     kept = proxy.put(np.arange(3, dtype=np.float32), IfrtSharding((0,)))
     proxy.cluster.loop.call_soon_threadsafe(lambda: broken._call.cancel())  # (after the stream opened)

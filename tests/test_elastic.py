@@ -13,7 +13,7 @@ import json
 import os
 import signal
 
-from pathways_nb.cluster import LocalCluster
+from pathways_nb.launch.local_cluster import LocalCluster
 from pathways_nb.testing import python_process
 
 TRAINING = """

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from pathways_nb.cluster import LocalCluster
+from pathways_nb.launch.local_cluster import LocalCluster
 from pathways_nb.testing import python_process
 
 # How long A's worker stays stopped; the resource manager declares a worker dead after 3 s.

@@ -11,9 +11,9 @@ from jax._src import core
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pathways_nb.cluster import LocalCluster
+from pathways_nb.core.convert import output_shardings
+from pathways_nb.launch.local_cluster import LocalCluster
 from pathways_nb.protocol import op_sharding, schema
-from pathways_nb.rpc.convert import output_shardings
 from pathways_nb.testing import python_process
 
 X = np.arange(64, dtype=np.float32).reshape(8, 8) / 7

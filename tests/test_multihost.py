@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from pathways_nb.cluster import LocalCluster
-from pathways_nb.processes import ChildServer
+from pathways_nb.launch.local_cluster import LocalCluster
+from pathways_nb.launch.processes import ChildServer
 from pathways_nb.testing import python_process
 
 

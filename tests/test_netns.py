@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 import psutil
 import pytest
 
-from pathways_nb import security
-from pathways_nb.processes import ChildServer
+from pathways_nb.core import security
+from pathways_nb.launch.processes import ChildServer
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
 from pathways_nb.testing import python_process

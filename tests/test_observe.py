@@ -5,9 +5,9 @@ from __future__ import annotations
 import jax
 import pytest
 
-from pathways_nb.aio_server import BackgroundServer
-from pathways_nb.client import Session
-from pathways_nb.observe import Observer, ObserveUnavailable
+from pathways_nb.client.connection import Session
+from pathways_nb.client.observe import Observer, ObserveUnavailable
+from pathways_nb.core.aio_server import BackgroundServer
 
 
 @pytest.fixture(scope="module")

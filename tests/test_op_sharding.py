@@ -21,9 +21,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pathways_nb import testing
+from pathways_nb.core import convert
 from pathways_nb.protocol import dtypes, op_sharding, schema, shardings
 from pathways_nb.protocol.errors import InvalidRequest, Unimplemented
-from pathways_nb.rpc import convert
 from pathways_nb.testing import WireSession
 
 MESSAGES = schema.load()

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from pathways_nb.cluster import LocalCluster
+from pathways_nb.launch.local_cluster import LocalCluster
 from pathways_nb.protocol.errors import RequestError
 from pathways_nb.proxy.cluster_runtime import ClusterRuntime
 from pathways_nb.proxy.context import ProxyLimits

@@ -5,7 +5,7 @@ from __future__ import annotations
 import nbformat
 from nbclient import NotebookClient
 
-from pathways_nb.quickstart import NOTEBOOK
+from pathways_nb.notebook.quickstart import NOTEBOOK
 
 
 def _text(cell) -> str:

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from pathways_nb.core.security import ClusterCredentials, generate_token
 from pathways_nb.rm.allocator import Allocator, Unsatisfiable
 from pathways_nb.rm.registry import Registry
 from pathways_nb.rm.server import ResourceManagerServer
@@ -17,7 +18,6 @@ from pathways_nb.rm.service import ResourceManagerService
 from pathways_nb.rm.topology import Topology
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
-from pathways_nb.security import ClusterCredentials, generate_token
 
 
 def _request(island: int, host: int = 0, devices: int = 4, port: int | None = None, pid: int = 100):

@@ -12,12 +12,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pathways_nb import cli, security
-from pathways_nb.cluster import LocalCluster
-from pathways_nb.processes import ChildServer
+from pathways_nb import cli
+from pathways_nb.core import security
+from pathways_nb.core.security import ClusterCredentials
+from pathways_nb.launch.local_cluster import LocalCluster
+from pathways_nb.launch.processes import ChildServer
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
-from pathways_nb.security import ClusterCredentials
 from pathways_nb.testing import python_process
 
 
@@ -79,8 +80,8 @@ def test_health_checks_need_no_token(secured):
 
 def test_the_host_probe_needs_no_token_and_says_only_whether_the_caller_shares_the_host(secured):
     """Plain JAX_PLATFORMS=proxy processes hold no token; they ask before their client exists."""
-    from pathways_nb import shared_memory
-    from pathways_nb.session_options import shared_memory_key
+    from pathways_nb.core import shared_memory
+    from pathways_nb.core.session_options import shared_memory_key
 
     with grpc.insecure_channel(_endpoints(secured)["observe"]) as channel:
         host = cluster_pb2_grpc.ObserveStub(channel).GetHost(pb.GetHostRequest(), timeout=10)

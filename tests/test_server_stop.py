@@ -16,7 +16,7 @@ import time
 import psutil
 import pytest
 
-from pathways_nb.processes import ChildServer
+from pathways_nb.launch.processes import ChildServer
 
 PROXY = ["proxy", "--server_port", "0", "--devices", "1", "--log_level", "INFO"]
 
@@ -52,7 +52,7 @@ def test_a_server_stops_when_its_launcher_is_killed(tmp_path):
     launcher = textwrap.dedent(
         f"""
         import os
-        from pathways_nb.processes import ChildServer
+        from pathways_nb.launch.processes import ChildServer
         server = ChildServer("proxy", {PROXY!r})
         server.start()
         open({str(pid_file)!r}, "w").write(str(server.process.pid))

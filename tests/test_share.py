@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import time
 
-from pathways_nb.cluster import LocalCluster
-from pathways_nb.observe import Observer
+from pathways_nb.client.observe import Observer
+from pathways_nb.launch.local_cluster import LocalCluster
 from pathways_nb.testing import python_process
 
 BUSY = """

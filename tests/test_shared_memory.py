@@ -18,8 +18,10 @@ import grpc
 import numpy as np
 import pytest
 
-from pathways_nb import jax_plugin, session_options, shared_memory, testing
-from pathways_nb.processes import ChildServer
+from pathways_nb import testing
+from pathways_nb.client import jax_plugin
+from pathways_nb.core import session_options, shared_memory
+from pathways_nb.launch.processes import ChildServer
 from pathways_nb.protocol import attributes, dtypes, shardings
 
 MIB = 1 << 20
@@ -60,7 +62,7 @@ _ROUND_TRIPS = """
 import json, os, stat, sys
 import jax, ml_dtypes, numpy as np, pathways_nb
 from jax.sharding import NamedSharding, PartitionSpec
-from pathways_nb import jax_plugin
+from pathways_nb.client import jax_plugin
 
 pathways_nb.connect(sys.argv[1])
 directory = os.environ.get(jax_plugin.DIRECTORY_ENV)

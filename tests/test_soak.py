@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pathways_nb import soak
-from pathways_nb.cluster import LocalCluster
+from pathways_nb.launch.local_cluster import LocalCluster
+from pathways_nb.testing import soak
 
 
 def test_small_soak_has_no_wrong_results_and_memory_comes_back():

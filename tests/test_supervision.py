@@ -17,7 +17,7 @@ import time
 import psutil
 import pytest
 
-from pathways_nb.cluster import LocalCluster
+from pathways_nb.launch.local_cluster import LocalCluster
 from pathways_nb.testing import python_process
 
 

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from pathways_nb import jax_plugin, tables
+from pathways_nb.client import jax_plugin, tables
+from pathways_nb.client.observe import Observer, ObserveUnavailable
+from pathways_nb.client.timeline import DeviceLabel, Timeline
+from pathways_nb.core.security import generate_token, token_from_env
+from pathways_nb.core.session_options import SessionOptions, default_tenant
 from pathways_nb.errors import ConnectionFailed, PathwaysError
-from pathways_nb.observe import Observer, ObserveUnavailable
 from pathways_nb.rpc import cluster_pb2 as pb
-from pathways_nb.security import generate_token, token_from_env
-from pathways_nb.session_options import SessionOptions, default_tenant
-from pathways_nb.timeline import DeviceLabel, Timeline
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ def _template(name: str):
     import jinja2
 
     environment = jinja2.Environment(
-        loader=jinja2.PackageLoader("pathways_nb", "templates"), autoescape=jinja2.select_autoescape()
+        loader=jinja2.PackageLoader("pathways_nb.client", "templates"), autoescape=jinja2.select_autoescape()
     )
     return environment.get_template(name)
 
@@ -213,9 +213,9 @@ def connect(
         secret=generate_token(),
         weight=weight,
     )
-    from pathways_nb import cluster
+    from pathways_nb.launch import local_cluster
 
-    token = token or cluster.token_for(address) or token_from_env()
+    token = token or local_cluster.token_for(address) or token_from_env()
     _check_listening(address, timeout_s)
     previous = _Previous(jax.config.jax_platforms, jax.config.read("jax_backend_target"))
     os.environ[jax_plugin.INSECURE_ENV] = "true"

@@ -95,7 +95,7 @@ def make_client():
     os.environ.setdefault(INSECURE_ENV, "true")
     options = ifrt_proxy.ClientConnectionOptions()
     options.connection_timeout_in_seconds = max(1, round(connection_timeout_s()))
-    from pathways_nb.session_options import SessionOptions
+    from pathways_nb.core.session_options import SessionOptions
 
     requested = session_options if session_options is not None else SessionOptions.from_environment()
     initialization_data = requested.to_initialization_data() if requested is not None else {}
@@ -116,7 +116,7 @@ def _refuse_a_server_of_this_process(target: str) -> None:
     raise RuntimeError(
         f"the IFRT proxy at {target} runs in this Python process, and jaxlib's client holds the GIL "
         "while it waits for the server's replies, so the two would wait for each other forever. Serve it "
-        "from another process: `pathways-nb proxy`, `pathways-nb up`, or pathways_nb.cluster.LocalCluster "
+        "from another process: `pathways-nb proxy`, `pathways-nb up`, or pathways_nb.launch.local_cluster.LocalCluster "
         "(whose servers are child processes)"
     )
 
@@ -127,7 +127,7 @@ class _SharedUploads:
     def __init__(self, key: str):
         import secrets
 
-        from pathways_nb import shared_memory
+        from pathways_nb.core import shared_memory
 
         self.key = key
         self.directory = shared_memory.SharedDirectory(_SHARED_PURPOSE)
@@ -135,7 +135,7 @@ class _SharedUploads:
         self.directory.write("owner", self.secret.encode())
 
     def attributes(self) -> dict[str, bytes]:
-        from pathways_nb import session_options as names
+        from pathways_nb.core import session_options as names
 
         return {
             names.SHARED_DIRECTORY: os.fsencode(self.directory.path),
@@ -155,8 +155,8 @@ def _shared_uploads(target: str, timeout_s: float) -> dict[str, bytes]:
     read the uploads; once off, every client uses gRPC.
     """
     global _uploads, _first_client
-    from pathways_nb import session_options as names
-    from pathways_nb import shared_memory
+    from pathways_nb.core import session_options as names
+    from pathways_nb.core import shared_memory
 
     first, _first_client = _first_client, False
     if _uploads is not None:
@@ -212,8 +212,8 @@ def _server_key(target: str, timeout_s: float) -> str:
     """The server's ``shared_memory_key()``; empty if it does not say (not ours, or not reachable)."""
     import grpc
 
+    from pathways_nb.core.security import ClusterCredentials
     from pathways_nb.rpc import cluster_pb2, cluster_pb2_grpc
-    from pathways_nb.security import ClusterCredentials
 
     # The probe needs no token (security.OPEN_METHOD_PREFIXES): plain JAX_PLATFORMS=proxy processes hold none.
     channel = ClusterCredentials().channel(target.removeprefix("grpc://"))

@@ -3,7 +3,7 @@
 A cluster that is not a pathways-nb cluster (Google's Pathways on Cloud, say)
 does not offer the service; ``ObserveUnavailable`` says so, and callers fall
 back to what ``jax.devices()`` tells. A pathways-nb cluster's observe API
-needs its token (see ``pathways_nb.security``).
+needs its token (see ``pathways_nb.core.security``).
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from collections.abc import Callable
 
 import grpc
 
+from pathways_nb.core.security import TOKEN_ENV, ClusterCredentials, token_from_env
 from pathways_nb.errors import PathwaysError
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
-from pathways_nb.security import TOKEN_ENV, ClusterCredentials, token_from_env
 
 
 class ObserveUnavailable(PathwaysError):

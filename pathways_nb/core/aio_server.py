@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from pathways_nb.security import ClusterCredentials
+from pathways_nb.core.security import ClusterCredentials
 
 SERVER_OPTIONS = [
     # gRPC's 4 MiB default is too small for compile requests of big programs.

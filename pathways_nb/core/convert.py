@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 from google.protobuf.message import DecodeError
 
+from pathways_nb.core.runtime_api import Aval, ProgramInfo, Signature
 from pathways_nb.protocol import dtypes, schema
 from pathways_nb.protocol.errors import RequestError
 from pathways_nb.protocol.op_sharding import REPLICATED, UNREDUCED
 from pathways_nb.protocol.op_sharding import read as read_op_sharding
 from pathways_nb.protocol.shardings import IfrtSharding
 from pathways_nb.rpc import cluster_pb2 as pb
-from pathways_nb.runtime_api import Aval, ProgramInfo, Signature
 
 
 def sharding_from_proto(proto: pb.Sharding) -> IfrtSharding:

@@ -39,7 +39,7 @@ def shared_memory_key() -> str:
     """
     import hashlib
 
-    from pathways_nb import shared_memory
+    from pathways_nb.core import shared_memory
 
     key = shared_memory.host_key()
     return hashlib.sha256(key.encode()).hexdigest() if key else ""

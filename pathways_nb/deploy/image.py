@@ -1,7 +1,8 @@
 """The container image: a Dockerfile that installs pathways-nb from this checkout, never from a registry.
 
-The same file is kept at the repository root (``docker build -t IMAGE .``) and
-written next to the manifests; a test checks the two stay equal. Accelerator
+It is written next to the manifests (``pathways-nb deploy k8s``; the repository's copy is
+``docs/kubernetes/Dockerfile``, which a test keeps equal to this) and built from the repository
+root with ``docker build -f DIR/Dockerfile -t IMAGE .``. Accelerator
 support is a build argument (``EXTRA_REQUIREMENTS``), so one Dockerfile serves
 every kind of host: ``jax[tpu]`` adds libtpu, ``jax[cuda12]`` the CUDA plugin.
 """
@@ -10,9 +11,10 @@ from __future__ import annotations
 
 DOCKERFILE = """\
 # The pathways-nb image, built from this repository (pathways-nb is not installed from a registry).
-#   docker build -t pathways-nb:latest .
-#   docker build -t pathways-nb:tpu --build-arg EXTRA_REQUIREMENTS="jax[tpu]" .
-#   docker build -t pathways-nb:cuda --build-arg EXTRA_REQUIREMENTS="jax[cuda12]" .
+# From the repository root, DIR being this file's directory (BuildKit reads Dockerfile.dockerignore beside it):
+#   docker build -f DIR/Dockerfile -t pathways-nb:latest .
+#   docker build -f DIR/Dockerfile -t pathways-nb:tpu --build-arg EXTRA_REQUIREMENTS="jax[tpu]" .
+#   docker build -f DIR/Dockerfile -t pathways-nb:cuda --build-arg EXTRA_REQUIREMENTS="jax[cuda12]" .
 # Every server command is an argument: docker run pathways-nb:latest proxy --devices 4
 FROM python:3.11-slim
 

@@ -28,9 +28,9 @@ from typing import Any
 
 import yaml
 
+from pathways_nb.core.security import generate_token
 from pathways_nb.deploy.accelerators import Accelerator
 from pathways_nb.deploy.image import DOCKERFILE, DOCKERIGNORE
-from pathways_nb.security import generate_token
 
 JOBSET_API_VERSION = "jobset.x-k8s.io/v1alpha2"
 # The pod annotation JobSet sets to the index of the pod's Job within its replicated job.
@@ -378,7 +378,8 @@ def manifest_text(deployment: Deployment) -> str:
         f"{d.devices_per_host} device(s) each.\n"
         f"# Made by: {d.command_line()}\n"
         "# See docs/kubernetes.md. In short, from the repository root:\n"
-        f"#   docker build -t {d.image}{build_args} .   (then push it where the cluster can pull it)\n"
+        f"#   docker build -f DIR/Dockerfile -t {d.image}{build_args} .   (DIR: this directory; then push it\n"
+        "#   where the cluster can pull it)\n"
         f"#   kubectl apply{namespace} -f {SECRET_FILE} -f {MANIFEST_FILE}   (in this directory)\n"
         f"#   kubectl port-forward{namespace} svc/{d.proxy_service_name} {PROXY_PORT}:{PROXY_PORT}\n"
         f'#   pathways_nb.connect("grpc://localhost:{PROXY_PORT}")\n'

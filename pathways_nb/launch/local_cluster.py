@@ -5,7 +5,7 @@ gives the address to connect to; leaving the ``with`` block, ``close()``,
 interpreter exit or the death of this process stops them all (each child
 watches its parent), so no process is left behind. While it runs, a process
 that dies is noticed at once, reported with its cause and started again
-(``pathways_nb.supervisor``): a crashed worker costs its island a few seconds,
+(``pathways_nb.launch.supervisor``): a crashed worker costs its island a few seconds,
 and the island serves again by itself.
 """
 
@@ -21,11 +21,11 @@ from dataclasses import dataclass
 
 import grpc
 
-from pathways_nb.processes import ChildServer, Status
+from pathways_nb.core.security import ClusterCredentials, generate_token
+from pathways_nb.launch.processes import ChildServer, Status
+from pathways_nb.launch.supervisor import ChildExit, Supervisor
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
-from pathways_nb.security import ClusterCredentials, generate_token
-from pathways_nb.supervisor import ChildExit, Supervisor
 
 _LOGGER = logging.getLogger(__name__)
 

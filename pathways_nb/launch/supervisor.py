@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pathways_nb.processes import ChildServer, ServerStartError, Status, exit_description
+from pathways_nb.launch.processes import ChildServer, ServerStartError, Status, exit_description
 
 _LOGGER = logging.getLogger(__name__)
 

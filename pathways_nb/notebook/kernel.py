@@ -16,7 +16,7 @@ from ipykernel.ipkernel import IPythonKernel
 from ipykernel.kernelapp import IPKernelApp
 
 import pathways_nb
-from pathways_nb.client import ADDRESS_ENV
+from pathways_nb.client.connection import ADDRESS_ENV
 
 HINT = (
     "Pathways kernel: not connected. Run %pathways connect ADDRESS, or %pathways connect local to start a cluster here."

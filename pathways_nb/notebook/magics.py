@@ -104,7 +104,7 @@ class PathwaysMagics(Magics):
         cluster = None
         address = args.address
         if address == "local":
-            from pathways_nb.cluster import LocalCluster
+            from pathways_nb.launch.local_cluster import LocalCluster
 
             try:
                 cluster = LocalCluster(

@@ -1,6 +1,6 @@
 """The quickstart: runs notebooks/quickstart.ipynb in the Pathways kernel and prints what it shows.
 
-``python -m pathways_nb.quickstart`` (``make quickstart``) needs no cloud
+``python -m pathways_nb.notebook.quickstart`` (``make quickstart``) needs no cloud
 account: the notebook starts a cluster of two islands of 4 CPU devices on this
 machine (``%pathways connect local``), trains on one island, pipelines across
 both, and shows the island map and the step timeline. The executed notebook
@@ -14,7 +14,7 @@ import pathlib
 import sys
 import tempfile
 
-NOTEBOOK = pathlib.Path(__file__).resolve().parent.parent / "notebooks" / "quickstart.ipynb"
+NOTEBOOK = pathlib.Path(__file__).resolve().parents[2] / "notebooks" / "quickstart.ipynb"
 
 
 def _print_outputs(cell) -> None:

@@ -14,9 +14,9 @@ import threading
 import ipywidgets
 import pandas as pd
 
-from pathways_nb.client import Session
-from pathways_nb.observe import ObserveUnavailable
-from pathways_nb.timeline import Timeline
+from pathways_nb.client.connection import Session
+from pathways_nb.client.observe import ObserveUnavailable
+from pathways_nb.client.timeline import Timeline
 
 PALETTE = ["#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#eeca3b", "#b279a2", "#ff9da6", "#9d755d"]
 FREE = "#e8e8e8"

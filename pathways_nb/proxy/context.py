@@ -8,11 +8,11 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from pathways_nb.events import EventLog
+from pathways_nb.core.events import EventLog
+from pathways_nb.core.runtime_api import ProgramInfo, Runtime
 from pathways_nb.protocol.errors import ResourceExhausted
 from pathways_nb.proxy.activities import Activities
 from pathways_nb.proxy.deadlines import Deadlines
-from pathways_nb.runtime_api import ProgramInfo, Runtime
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,8 @@ import stat
 import threading
 from pathlib import Path
 
-from pathways_nb import session_options, shared_memory
-from pathways_nb.dataflow import Pending
+from pathways_nb.core import session_options, shared_memory
+from pathways_nb.core.dataflow import Pending
 from pathways_nb.protocol.errors import (
     DataLoss,
     DeadlineExceeded,

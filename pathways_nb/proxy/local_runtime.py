@@ -11,10 +11,10 @@ import os
 import socket
 from collections.abc import Sequence
 
-from pathways_nb.events import EventSink
+from pathways_nb.core.events import EventSink
+from pathways_nb.core.runtime_api import check_sharding, not_in_session
 from pathways_nb.protocol.shardings import IfrtSharding
 from pathways_nb.rpc import cluster_pb2 as pb
-from pathways_nb.runtime_api import check_sharding, not_in_session
 from pathways_nb.worker.runtime import LocalRuntime, Program
 
 

@@ -6,7 +6,8 @@ import asyncio
 
 import grpc
 
-from pathways_nb import __version__, session_options
+from pathways_nb._version import __version__
+from pathways_nb.core import session_options
 from pathways_nb.protocol.errors import RequestError
 from pathways_nb.proxy.context import ProxyContext
 from pathways_nb.proxy.service import IfrtProxyService

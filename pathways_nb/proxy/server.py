@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 
-from pathways_nb.aio_server import BackgroundServer
+from pathways_nb.core.aio_server import BackgroundServer
+from pathways_nb.core.runtime_api import Runtime
+from pathways_nb.core.security import ClusterCredentials
 from pathways_nb.proxy import observe
 from pathways_nb.proxy.context import ProxyContext, ProxyLimits
 from pathways_nb.proxy.service import SERVICE_NAME, IfrtProxyService
 from pathways_nb.rpc import cluster_pb2_grpc
-from pathways_nb.runtime_api import Runtime
-from pathways_nb.security import ClusterCredentials
 
 # The ports this process serves the IFRT proxy protocol on (see ``serves_here``).
 _SERVING: set[int] = set()

@@ -17,10 +17,11 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
-from pathways_nb import session_options
-from pathways_nb.dataflow import ArrayRecord, Pending, run_after
-from pathways_nb.events import event
-from pathways_nb.memory import release_free_memory
+from pathways_nb.core import session_options
+from pathways_nb.core.dataflow import ArrayRecord, Pending, run_after
+from pathways_nb.core.events import event
+from pathways_nb.core.memory import release_free_memory
+from pathways_nb.core.runtime_api import DeviceSession
 from pathways_nb.protocol import schema
 from pathways_nb.protocol.errors import (
     FailedPrecondition,
@@ -35,7 +36,6 @@ from pathways_nb.proxy import dispatch
 from pathways_nb.proxy.context import ProxyContext, Quota
 from pathways_nb.proxy.host_buffers import HostBuffers
 from pathways_nb.proxy.versions import Negotiated
-from pathways_nb.runtime_api import DeviceSession
 
 _LOGGER = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ what grpc.aio wants. Nothing on that loop may wait for a reply (it would wait
 for itself): ``result`` refuses to, and blocking work runs on the proxy's pools.
 
 Array bytes go through shared memory when the worker is on this host (its
-host key equals ours, see ``pathways_nb.shared_memory``): the message carries
+host key equals ours, see ``pathways_nb.core.shared_memory``): the message carries
 only a file's name, and the reader takes the file. Otherwise, or where that
 fails, they go in the messages themselves.
 """
@@ -32,12 +32,12 @@ from concurrent.futures import Future
 
 import grpc
 
-from pathways_nb import shared_memory
-from pathways_nb.aio_server import SERVER_OPTIONS
+from pathways_nb.core import shared_memory
+from pathways_nb.core.aio_server import SERVER_OPTIONS
+from pathways_nb.core.security import ClusterCredentials
 from pathways_nb.protocol.errors import DataLoss, RequestError, Unavailable
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
-from pathways_nb.security import ClusterCredentials
 
 _LOGGER = logging.getLogger(__name__)
 

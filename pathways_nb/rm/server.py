@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from pathways_nb.aio_server import BackgroundServer
+from pathways_nb.core.aio_server import BackgroundServer
+from pathways_nb.core.security import ClusterCredentials
 from pathways_nb.rm.service import SERVICE_NAME, ResourceManagerService
 from pathways_nb.rm.topology import Topology
 from pathways_nb.rpc import cluster_pb2_grpc
-from pathways_nb.security import ClusterCredentials
 
 
 class ResourceManagerServer:

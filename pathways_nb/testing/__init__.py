@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import grpc
 
-from pathways_nb.processes import ChildServer
+from pathways_nb.launch.processes import ChildServer
 from pathways_nb.protocol import schema
 
 SERVICE = "/xla.ifrt.proxy.GrpcIfrtService/"

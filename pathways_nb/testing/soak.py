@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from pathways_nb.cluster import LocalCluster
+from pathways_nb.launch.local_cluster import LocalCluster
 from pathways_nb.testing import python_process
 
 CLIENT = """
@@ -142,7 +142,7 @@ def _rss(cluster: LocalCluster) -> dict[str, int]:
 
 def _wait_for_no_sessions(cluster: LocalCluster, timeout_s: float) -> None:
     """Waits until the proxy has ended every session and the resource manager holds no allocation."""
-    from pathways_nb.observe import Observer
+    from pathways_nb.client.observe import Observer
 
     observer = Observer(cluster.address, token=cluster.token)
     deadline = time.monotonic() + timeout_s
@@ -192,7 +192,7 @@ def run(cluster: LocalCluster, clients: int = 8, seconds: float = 60.0, settle_s
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m pathways_nb.soak [--clients N] [--seconds S]``: soak a fresh 2-island cluster."""
+    """``python -m pathways_nb.testing.soak [--clients N] [--seconds S]``: soak a fresh 2-island cluster."""
     import argparse
 
     parser = argparse.ArgumentParser(description=textwrap.dedent(__doc__).splitlines()[0])

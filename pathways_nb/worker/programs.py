@@ -12,10 +12,10 @@ from __future__ import annotations
 import hashlib
 import threading
 
-from pathways_nb.dataflow import ArrayRecord
+from pathways_nb.core.convert import program_to_proto
+from pathways_nb.core.dataflow import ArrayRecord
 from pathways_nb.protocol.errors import NotFound, as_request_error
 from pathways_nb.rpc import cluster_pb2 as pb
-from pathways_nb.rpc.convert import program_to_proto
 from pathways_nb.worker.runtime import LocalRuntime, Program
 
 

@@ -22,13 +22,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from pathways_nb.compat import result_handlers
-from pathways_nb.events import EventSink, ExecutionTimer
-from pathways_nb.protocol import op_sharding, schema
-from pathways_nb.protocol.errors import FailedPrecondition, InvalidRequest, NotFound, ResourceExhausted
-from pathways_nb.protocol.layouts import ROW_MAJOR_PLATFORMS, row_major
-from pathways_nb.protocol.shardings import IfrtSharding
-from pathways_nb.rpc.convert import output_shardings as output_shardings_of
-from pathways_nb.runtime_api import (
+from pathways_nb.core.convert import output_shardings as output_shardings_of
+from pathways_nb.core.events import EventSink, ExecutionTimer
+from pathways_nb.core.runtime_api import (
     ArgumentFacts,
     Aval,
     DeviceDescription,
@@ -38,6 +34,10 @@ from pathways_nb.runtime_api import (
     check_sharding,
     describe_device,
 )
+from pathways_nb.protocol import op_sharding, schema
+from pathways_nb.protocol.errors import FailedPrecondition, InvalidRequest, NotFound, ResourceExhausted
+from pathways_nb.protocol.layouts import ROW_MAJOR_PLATFORMS, row_major
+from pathways_nb.protocol.shardings import IfrtSharding
 from pathways_nb.worker import jaxlib_kernels
 from pathways_nb.worker import signature as program_signature
 from pathways_nb.worker.island import IslandMembership

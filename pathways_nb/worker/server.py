@@ -17,10 +17,10 @@ import time
 
 import grpc
 
-from pathways_nb.aio_server import BackgroundServer
+from pathways_nb.core.aio_server import BackgroundServer
+from pathways_nb.core.security import ClusterCredentials
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
-from pathways_nb.security import ClusterCredentials
 from pathways_nb.worker.runtime import LocalRuntime
 from pathways_nb.worker.service import SERVICE_NAME, WorkerService, local_devices
 

@@ -18,12 +18,12 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 
-from pathways_nb import shared_memory
-from pathways_nb.aio_server import SERVER_OPTIONS
+from pathways_nb.core import shared_memory
+from pathways_nb.core.aio_server import SERVER_OPTIONS
+from pathways_nb.core.security import ClusterCredentials
 from pathways_nb.protocol.errors import RequestError, as_request_error
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
-from pathways_nb.security import ClusterCredentials
 from pathways_nb.worker.gang import IslandOrder
 from pathways_nb.worker.programs import Programs
 from pathways_nb.worker.runtime import LocalRuntime

@@ -15,14 +15,14 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from pathways_nb import shared_memory
-from pathways_nb.dataflow import ArrayRecord, run_after
-from pathways_nb.events import EventSink, event
-from pathways_nb.memory import release_free_memory
+from pathways_nb.core import shared_memory
+from pathways_nb.core.convert import sharding_from_proto
+from pathways_nb.core.dataflow import ArrayRecord, run_after
+from pathways_nb.core.events import EventSink, event
+from pathways_nb.core.memory import release_free_memory
 from pathways_nb.protocol import dtypes
 from pathways_nb.protocol.errors import InvalidRequest, NotFound, RequestError, Unavailable, as_request_error
 from pathways_nb.rpc import cluster_pb2 as pb
-from pathways_nb.rpc.convert import sharding_from_proto
 from pathways_nb.worker.gang import IslandOrder
 from pathways_nb.worker.programs import Programs
 from pathways_nb.worker.runtime import LocalRuntime

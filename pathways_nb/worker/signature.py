@@ -14,8 +14,8 @@ import ml_dtypes
 import numpy as np
 
 from pathways_nb.compat import stablehlo as stablehlo_versions
+from pathways_nb.core.runtime_api import Aval, Signature
 from pathways_nb.protocol.errors import InvalidRequest
-from pathways_nb.runtime_api import Aval, Signature
 
 # MLIR element type -> numpy dtype.
 _ELEMENT_TYPES: dict[str, np.dtype] = {

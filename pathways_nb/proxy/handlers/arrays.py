@@ -8,8 +8,8 @@ import time
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from pathways_nb.dataflow import ArrayRecord, Pending, when_all
-from pathways_nb.events import event
+from pathways_nb.core.dataflow import ArrayRecord, Pending, when_all
+from pathways_nb.core.events import event
 from pathways_nb.protocol import dtypes, schema, shardings
 from pathways_nb.protocol.errors import InvalidRequest, RequestError, Unimplemented
 from pathways_nb.protocol.op_sharding import Tiling

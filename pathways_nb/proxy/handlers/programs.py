@@ -5,13 +5,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from pathways_nb.dataflow import ArrayRecord, Pending, when_all
-from pathways_nb.events import event
+from pathways_nb.core.dataflow import ArrayRecord, Pending, when_all
+from pathways_nb.core.events import event
+from pathways_nb.core.runtime_api import ArgumentFacts, ProgramInfo, check_arguments
 from pathways_nb.protocol import attributes, dtypes
 from pathways_nb.protocol.errors import DataLoss, InvalidRequest, Unimplemented
 from pathways_nb.proxy.context import CompileCache
 from pathways_nb.proxy.dispatch import DEFERRED, handles
-from pathways_nb.runtime_api import ArgumentFacts, ProgramInfo, check_arguments
 
 XLA_PROGRAM = "xla::ifrt::XlaProgram"
 XLA_COMPILE_OPTIONS = "xla::ifrt::XlaCompileOptions"

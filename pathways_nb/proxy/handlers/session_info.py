@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from pathways_nb import __version__
+from pathways_nb._version import __version__
 from pathways_nb.protocol import attributes, dtypes
 from pathways_nb.protocol.errors import InvalidRequest
 from pathways_nb.proxy.dispatch import DEFERRED, handles

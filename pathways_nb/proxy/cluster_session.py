@@ -1,0 +1,556 @@
+"""One client session's devices in a cluster: its streams to their workers, its arrays and its programs.
+
+Device ids are the cluster's global ids; a worker only ever sees its own local ids. Where data moves:
+
+- host <-> device: through the proxy, which is where the client's bytes are;
+- device -> device on one worker: a copy on that worker;
+- device -> device across workers (islands): the source worker sends straight
+  to the destination worker; the proxy only tells both what to do.
+
+A program runs on one island; one that spans islands is refused with an explanation of how to
+pipeline across them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+import grpc
+import numpy as np
+
+from pathways_nb.core.convert import array_meta
+from pathways_nb.core.events import EventSink
+from pathways_nb.core.runtime_api import (
+    DeviceDescription,
+    check_assemble_parts,
+    check_sharding,
+    describe_device,
+    not_in_session,
+)
+from pathways_nb.core.session_options import SessionOptions
+from pathways_nb.protocol import dtypes, schema
+from pathways_nb.protocol.errors import (
+    InvalidRequest,
+    RequestError,
+)
+from pathways_nb.protocol.shardings import IfrtSharding
+from pathways_nb.proxy.remote_arrays import (
+    MultiHostArray,
+    PartedArray,
+    RemoteArray,
+    ShardedRemoteArray,
+    explain_failure,
+)
+from pathways_nb.proxy.worker_link import WorkerLink, WorkerLost
+from pathways_nb.rpc import cluster_pb2 as pb
+
+if TYPE_CHECKING:
+    from pathways_nb.proxy.cluster_runtime import ClusterRuntime, RemoteProgram
+
+_LOGGER = logging.getLogger(__name__)
+
+# How long after its stream to a worker broke a session opens a new one, if the cluster still finds
+# that worker healthy (a dead worker is reported well within this; see ``ClusterSession._link``).
+RELINK_AFTER_S = 5.0
+
+
+class ClusterSession:
+    """One client session's devices in the cluster, and its streams to their workers."""
+
+    def __init__(
+        self,
+        cluster: ClusterRuntime,
+        session_id: int,
+        allocation: pb.Allocation,
+        lease,
+        events: EventSink,
+        options: SessionOptions,
+    ):
+        self.cluster = cluster
+        self.options = options
+        self.events = events
+        self.session_id = session_id
+        self.allocation = allocation
+        self._lease = lease
+        self._released = False
+        self._devices = {d.id: d for d in allocation.devices}
+        self._global_ids = {(d.worker_id, d.local_id): d.id for d in allocation.devices}
+        # A device's place on its host (jaxlib's ids of an island's hosts are offsets in one id space).
+        by_worker: dict[str, list[pb.Device]] = {}
+        for device in allocation.devices:
+            by_worker.setdefault(device.worker_id, []).append(device)
+        self._ordinals = {
+            device.id: ordinal
+            for devices in by_worker.values()
+            for ordinal, device in enumerate(sorted(devices, key=lambda d: d.local_id))
+        }
+        self._device_ids = tuple(d.id for d in allocation.devices)
+        self._links: dict[str, WorkerLink] = {}
+        self._gangs = itertools.count(1)
+        self._lock = threading.Lock()
+        self._platform = allocation.platform or allocation.devices[0].platform
+
+    # -- devices ---------------------------------------------------------------------------
+
+    @property
+    def device_ids(self) -> tuple[int, ...]:
+        return self._device_ids
+
+    @property
+    def platform(self) -> str:
+        return self._platform
+
+    @property
+    def platform_version(self) -> str:
+        return self.allocation.platform_version or "pathways-nb cluster"
+
+    def describe_devices(self, device_ids: Sequence[int]) -> list[DeviceDescription]:
+        # On one island, devices print as local ones do (``runtime_api.describe_device``).
+        several_islands = self.cluster.cluster_state().islands > 1
+        return [
+            describe_device(
+                device.id,
+                device.platform,
+                device.kind,
+                device.local_hardware_id,
+                device.memory_kinds,
+                island=device.island,
+                host_index=device.host_index,
+                host=device.worker_address,
+                ordinal=self._ordinals[device.id],
+                name_island=several_islands,
+            )
+            for device in map(self._device, device_ids)
+        ]
+
+    def _device(self, device_id: int) -> pb.Device:
+        try:
+            return self._devices[device_id]
+        except KeyError:
+            raise not_in_session(device_id, self._device_ids) from None
+
+    def _current(self, device: pb.Device) -> pb.Device:
+        """The device's worker as the cluster knows it now (it may have restarted since the allocation)."""
+        worker = self.cluster.worker(device.worker_id)
+        if worker is None or worker.incarnation == device.incarnation:
+            return device
+        current = pb.Device()
+        current.CopyFrom(device)
+        current.incarnation = worker.incarnation
+        current.worker_address = worker.address
+        current.healthy = worker.healthy
+        current.host_key = worker.host_key
+        return current
+
+    def _link(self, device: pb.Device) -> WorkerLink:
+        """This session's stream to the device's worker, opened (again) when needed.
+
+        A stream that broke to the worker's current process keeps failing new work with its
+        error, until the cluster says that process is gone (then the next one gets a new stream),
+        or, if the cluster still finds it healthy ``RELINK_AFTER_S`` later, the break was the
+        stream's alone, and a new one is opened: the arrays of the old one are lost either way.
+        """
+        device = self._current(device)
+        with self._lock:
+            link = self._links.get(device.worker_id)
+            if link is not None and (link.alive or link.incarnation == device.incarnation):
+                if link.alive:
+                    return link
+                if not (self._healthy(device) and link.lost_for_s() > RELINK_AFTER_S):
+                    link.send(pb.Command())  # raises the WorkerLost error that ended it
+            if not device.healthy:
+                worker = self.cluster.worker(device.worker_id)
+                reason = f" ({worker.down_reason})" if worker is not None and worker.down_reason else ""
+                raise WorkerLost(
+                    f"island {device.island} host {device.host_index} ({device.worker_address}) is down{reason}; "
+                    f"work on island {device.island} fails until its worker is back. Other islands keep serving"
+                )
+            if link is not None:
+                link.close()
+            link = WorkerLink(
+                device,
+                f"{self.cluster.key}-s{self.session_id}-{device.incarnation}",
+                self.cluster.loop,
+                self._worker_events,
+                credentials=self.cluster.credentials,
+                cause=lambda: self.cluster.down_reason(device.worker_id, device.incarnation),
+            )
+            self._links[device.worker_id] = link
+            return link
+
+    def _healthy(self, device: pb.Device) -> bool:
+        """Whether the cluster finds the device's worker process (that incarnation) healthy now."""
+        worker = self.cluster.worker(device.worker_id)
+        return worker is not None and worker.healthy and worker.incarnation == device.incarnation
+
+    def _island_links(self, island: int) -> list[WorkerLink]:
+        """This session's links to the hosts of ``island``."""
+        with self._lock:
+            return [link for link in self._links.values() if link.island == island]
+
+    def _worker_events(self, link: WorkerLink, events: list[pb.Event]) -> None:
+        """Events a worker reported, in the cluster's device ids."""
+        for recorded in events:
+            global_ids = [self._global_ids.get((link.worker_id, d), -1) for d in recorded.device_ids]
+            recorded.device_ids[:] = [d for d in global_ids if d >= 0]
+            self.events(recorded)
+
+    def taken_in(self, worker_id: str) -> Future | None:
+        """Done once the worker has read every command this session sent it so far (None: no open stream)."""
+        with self._lock:
+            link = self._links.get(worker_id)
+        if link is None or not link.alive:
+            return None
+        try:
+            return link.request(pb.Command(wait=pb.Wait()), "wait")
+        except RequestError:
+            return None
+
+    def worker_down(self, worker: pb.WorkerState) -> None:
+        """The resource manager declared a worker dead: fail this session's stream to it now."""
+        with self._lock:
+            link = self._links.get(worker.worker_id)
+        if link is not None and link.alive and link.incarnation == worker.incarnation:
+            link.declare_lost(worker.down_reason or "it missed its heartbeats")
+
+    def _worker_ids(self, sharding: IfrtSharding) -> list[str]:
+        return sorted({self._device(d).worker_id for d in sharding.device_ids})
+
+    def _local(self, sharding: IfrtSharding) -> IfrtSharding:
+        """The sharding in its worker's local device ids."""
+        return IfrtSharding(
+            tuple(self._device(d).local_id for d in sharding.device_ids), sharding.memory_kind, sharding.op_sharding
+        )
+
+    def check_sharding(self, sharding: IfrtSharding) -> None:
+        check_sharding(sharding, lambda device_id: self._device(device_id).memory_kinds)
+
+    def layout_waits(self, dtype: np.dtype, dims: Sequence[int], device_id: int, memory_kind: str = "") -> bool:
+        device = self._device(device_id)
+        return self.cluster.layout_waits(device, dtypes.from_numpy(dtype), tuple(dims), memory_kind)
+
+    def default_layout(self, dtype: np.dtype, dims: Sequence[int], device_id: int, memory_kind: str = "") -> bytes:
+        device = self._current(self._device(device_id))
+        return self.cluster.default_layout(device, dtypes.from_numpy(dtype), tuple(dims), memory_kind)
+
+    # -- arrays ----------------------------------------------------------------------------
+
+    def put(self, host: np.ndarray, sharding: IfrtSharding):
+        kind = dtypes.from_numpy(host.dtype)
+        shape = tuple(host.shape)
+        if len(self._worker_ids(sharding)) > 1:
+            parts = [
+                self.put(host[index], IfrtSharding((device_id,), sharding.memory_kind))
+                for device_id, index in zip(sharding.device_ids, sharding.shard_indices(shape), strict=True)
+            ]
+            return self.assemble(shape, sharding, parts)
+        link = self._link(self._device(sharding.device_ids[0]))
+        array_id = link.new_id()
+        meta = array_meta(kind, shape, self._local(sharding))
+        link.put(array_id, meta, memoryview(np.ascontiguousarray(host).reshape(-1).view(np.uint8)))
+        return RemoteArray(link, array_id, kind, shape, sharding)
+
+    def put_shards(self, shape: tuple[int, ...], sharding: IfrtSharding, shards: Sequence[np.ndarray]):
+        singles = [
+            self.put(shard, IfrtSharding((device_id,), sharding.memory_kind))
+            for shard, device_id in zip(shards, sharding.device_ids, strict=True)
+        ]
+        return self.assemble(shape, sharding, singles)
+
+    def assemble(self, shape: tuple[int, ...], sharding: IfrtSharding, singles: Sequence):
+        check_assemble_parts(sharding, [single.sharding.device_ids for single in singles])
+        by_link: dict[int, list] = {}
+        for single in singles:
+            by_link.setdefault(id(single.link), []).append(single)
+        if len(by_link) == 1:
+            return self._assemble_on(singles[0].link, shape, sharding, singles)
+        if len({single.link.island for single in singles}) > 1:
+            return ShardedRemoteArray(singles, shape, sharding)
+        # The hosts of one island: each assembles its part of one island-wide array.
+        hosts = sorted(by_link.values(), key=lambda group: group[0].link.host_index)
+        parts = [self._assemble_on(group[0].link, shape, sharding, group) for group in hosts]
+        return MultiHostArray(parts, shape, sharding)
+
+    def _assemble_on(self, link: WorkerLink, shape, sharding: IfrtSharding, singles: Sequence) -> RemoteArray:
+        array_id = link.new_id()
+        meta = array_meta(singles[0].kind, shape, self._local(sharding))
+        link.send(pb.Command(assemble=pb.Assemble(id=array_id, meta=meta, parts=[s.array_id for s in singles])))
+        return RemoteArray(link, array_id, singles[0].kind, shape, sharding)
+
+    def disassemble(self, value, sharding: IfrtSharding) -> list:
+        if isinstance(value, ShardedRemoteArray):
+            return list(value.parts)
+        parts = value.parts if isinstance(value, MultiHostArray) else [value]
+        singles = {}
+        for part in parts:
+            # Each host splits its own part: the shards of its devices, in the sharding's order.
+            device_ids = [d for d in sharding.device_ids if self._device(d).worker_id == part.link.worker_id]
+            for device_id, single in zip(device_ids, self._disassemble_on(part, sharding, device_ids), strict=True):
+                singles[device_id] = single
+        return [singles[device_id] for device_id in sharding.device_ids]
+
+    def _disassemble_on(self, part: RemoteArray, sharding: IfrtSharding, device_ids: list[int]) -> list[RemoteArray]:
+        shard_shape = sharding.shard_shape(part.shape)
+        ids = [part.link.new_id() for _ in device_ids]
+        local = array_meta(0, (), self._local(sharding)).sharding
+        part.link.send(pb.Command(disassemble=pb.Disassemble(source=part.array_id, ids=ids, sharding=local)))
+        return [
+            RemoteArray(part.link, array_id, part.kind, shard_shape, IfrtSharding((device_id,), sharding.memory_kind))
+            for array_id, device_id in zip(ids, device_ids, strict=True)
+        ]
+
+    def copy(self, value, sharding: IfrtSharding):
+        """The value laid out by ``sharding``: on one worker, by sending between workers, or via the proxy."""
+        if isinstance(value, MultiHostArray):
+            value = ShardedRemoteArray(self.disassemble(value, value.sharding), value.shape, value.sharding)
+        targets = self._worker_ids(sharding)
+        if isinstance(value, RemoteArray) and targets == [value.link.worker_id] and value.link.alive:
+            array_id = value.link.new_id()
+            local = array_meta(0, (), self._local(sharding)).sharding
+            value.link.send(pb.Command(copy=pb.Copy(source=value.array_id, id=array_id, sharding=local)))
+            return RemoteArray(value.link, array_id, value.kind, value.shape, sharding)
+        if isinstance(value, RemoteArray) and len(targets) == 1:
+            return self._send(value, self._link(self._device(sharding.device_ids[0])), value.shape, sharding, None)
+        return self._copy_by_shards(value, sharding)
+
+    def _send(self, value: RemoteArray, target: WorkerLink, shape, sharding: IfrtSharding, region) -> RemoteArray:
+        """Has ``value``'s worker send it (or ``region`` of it) straight to ``target``'s worker."""
+        array_id = target.new_id()
+        meta = array_meta(value.kind, shape, self._local(sharding))
+        target.send(pb.Command(expect=pb.Expect(id=array_id, meta=meta)))
+        send = pb.Send(
+            source=value.array_id,
+            peer_address=target.address,
+            peer_session=target.session_key,
+            id=array_id,
+            meta=meta,
+            peer_host_key=target.host_key,
+        )
+        if region is not None:
+            send.start.extend(s.start for s in region)
+            send.stop.extend(s.stop for s in region)
+        value.link.send(pb.Command(send=send))
+        return RemoteArray(target, array_id, value.kind, shape, sharding)
+
+    def copy_blocks(self, value, sharding: IfrtSharding) -> bool:
+        """Whether the copy goes through the proxy (no source shard holds some target shard): it reads the value."""
+        if isinstance(value, RemoteArray) and len(self._worker_ids(sharding)) == 1:
+            return False
+        source_regions = _source_regions(value)
+        return any(
+            not any(_contains(region, _region(index, value.shape)) for region in source_regions)
+            for index in sharding.shard_indices(value.shape)
+        )
+
+    def _copy_by_shards(self, value, sharding: IfrtSharding):
+        """Each target shard sent from the source shard that holds it; through the proxy if none does."""
+        shape = value.shape
+        sources = value.parts if isinstance(value, ShardedRemoteArray) else [value]
+        source_regions = _source_regions(value)
+        parts = []
+        for device_id, index in zip(sharding.device_ids, sharding.shard_indices(shape), strict=True):
+            wanted = _region(index, shape)
+            holder = next(
+                (i for i, region in enumerate(source_regions) if _contains(region, wanted)),
+                None,
+            )
+            if holder is None:  # (``copy_blocks`` says so beforehand: the proxy runs this copy off its loop)
+                return self.put(self.to_host(value), sharding)
+            relative = tuple(
+                slice(w.start - r.start, w.stop - r.start) for w, r in zip(wanted, source_regions[holder], strict=True)
+            )
+            part_shape = tuple(s.stop - s.start for s in wanted)
+            target = self._link(self._device(device_id))
+            parts.append(
+                self._send(
+                    sources[holder], target, part_shape, IfrtSharding((device_id,), sharding.memory_kind), relative
+                )
+            )
+        return self.assemble(shape, sharding, parts)
+
+    def to_host(self, value) -> np.ndarray:
+        if isinstance(value, MultiHostArray):
+            value = ShardedRemoteArray(self.disassemble(value, value.sharding), value.shape, value.sharding)
+        if isinstance(value, ShardedRemoteArray):
+            dtype = dtypes.to_numpy(value.parts[0].kind)
+            host = np.empty(value.shape, dtype)
+            for part, index in zip(value.parts, value.sharding.shard_indices(value.shape), strict=True):
+                host[index] = self.to_host(part)
+            return host
+        try:
+            data = value.link.fetch(value.array_id)
+        except RequestError as error:
+            raise explain_failure(error, self._island_links(value.link.island)) from None
+        return np.frombuffer(data, dtypes.to_numpy(value.kind)).reshape(value.shape)
+
+    # -- programs --------------------------------------------------------------------------
+
+    def compile(self, program: bytes, compile_options: bytes, device_ids: Sequence[int]) -> RemoteProgram:
+        devices = [self._current(self._device(d)) for d in device_ids]
+        islands = sorted({d.island for d in devices})
+        if len(islands) > 1:
+            raise InvalidRequest(
+                f"this program's devices {list(device_ids)} span islands {islands}. A program runs on one "
+                "island (devices that share a fast interconnect); between islands, data moves with "
+                "jax.device_put. Split the model into stages, one jit per island, and pipeline microbatches: "
+                "run stage 1 on island 0, device_put its outputs to island 1, run stage 2 there"
+            )
+        # On an island of several hosts every host runs the program; jaxlib ids span the island.
+        hosts = list({d.host_index: d for d in sorted(devices, key=lambda d: d.host_index)}.values())
+        local_ids = tuple(d.local_id for d in devices)
+        options = _localize(compile_options, {d.id: d.local_id for d in devices})
+        return self.cluster.compile(hosts, program, options, device_ids, local_ids)
+
+    def execute(self, program: RemoteProgram, args: Sequence, keep: frozenset[int] = frozenset()) -> list:
+        if len(program.hosts) > 1:
+            return self._execute_on_hosts(program, args, keep)
+        device = self._current(self._device(program.device_ids[0]))
+        link = self._link(device)
+        for index, arg in enumerate(args):
+            if isinstance(arg, RemoteArray) and arg.link is link:
+                continue
+            if isinstance(arg, RemoteArray) and arg.link.worker_id == link.worker_id:
+                raise WorkerLost(
+                    f"argument {index} of {program.name} was lost when {link.describe()} restarted; "
+                    "compute or transfer it again"
+                )
+            raise InvalidRequest(
+                f"argument {index} of {program.name} is not on island {device.island} where the program "
+                "runs; move it first (jax.device_put)"
+            )
+        program_id = self.cluster.program_id_on(program, device, link)
+        results = [
+            RemoteArray(link, link.new_id(), aval.kind, aval.shape, sharding)
+            for aval, sharding in zip(program.signature.results, program.output_shardings, strict=True)
+        ]
+        link.send(
+            pb.Command(
+                execute=pb.Execute(
+                    program=program_id,
+                    args=[a.array_id for a in args],
+                    results=[r.array_id for r in results],
+                    keep=sorted(keep),
+                    tenant=self.options.tenant,
+                    weight=self.options.weight,
+                )
+            )
+        )
+        return results
+
+    def _execute_on_hosts(self, program: RemoteProgram, args: Sequence, keep: frozenset[int]) -> list:
+        """Runs a program on every host of its island, each on its part of the arguments, in the island's order."""
+        hosts = [self._current(self._device(d.id)) for d in program.hosts]
+        links = [self._link(host) for host in hosts]
+        for index, arg in enumerate(args):
+            if not (isinstance(arg, MultiHostArray) and [part.link for part in arg.parts] == links):
+                raise InvalidRequest(
+                    f"argument {index} of {program.name} is not laid out over the hosts of island "
+                    f"{hosts[0].island} where the program runs (or was lost when one of them restarted); "
+                    "move it there first (jax.device_put with the program's sharding)"
+                )
+        gang = f"{self.cluster.key}-s{self.session_id}-g{next(self._gangs)}"
+        results = [
+            [RemoteArray(link, link.new_id(), aval.kind, aval.shape, sharding) for link in links]
+            for aval, sharding in zip(program.signature.results, program.output_shardings, strict=True)
+        ]
+        peers = [link.address for link in links[1:]]
+        for host_index, (host, link) in enumerate(zip(hosts, links, strict=True)):
+            execute = pb.Execute(
+                # Compiled on every host; after a host restarted, compiled there again on this stream,
+                # not waited for (the host takes its turn in the island's order once it is compiled).
+                program=self.cluster.program_id_on(program, host, link),
+                args=[arg.parts[host_index].array_id for arg in args],
+                results=[parts[host_index].array_id for parts in results],
+                keep=sorted(keep),
+                gang=gang,
+                gang_peers=peers if host_index == 0 else (),
+                tenant=self.options.tenant,
+                weight=self.options.weight,
+            )
+            link.send(pb.Command(execute=execute))
+        return [
+            MultiHostArray(parts, aval.shape, sharding)
+            for parts, aval, sharding in zip(results, program.signature.results, program.output_shardings, strict=True)
+        ]
+
+    def cost_analysis(self, program: RemoteProgram) -> dict[str, float]:
+        device = self._current(self._device(program.device_ids[0]))
+        command = pb.Command(program_query=pb.ProgramQuery(program=self.cluster.compiled_on(program, device)))
+        return dict(self.cluster.query(device, command, "program_query").costs.values)
+
+    def program_text(self, program: RemoteProgram) -> str:
+        device = self._current(self._device(program.device_ids[0]))
+        program_id = self.cluster.compiled_on(program, device)
+        command = pb.Command(program_query=pb.ProgramQuery(program=program_id, text=True))
+        return self.cluster.query(device, command, "program_query").text
+
+    # -- ending ----------------------------------------------------------------------------
+
+    def hold_lease(self, request: pb.AllocateRequest) -> None:
+        """Keeps the allocation for the session's life, claiming it again from a restarted resource manager."""
+        threading.Thread(
+            target=self._hold_lease, args=(request,), name=f"pathways-lease-{self.session_id}", daemon=True
+        ).start()
+
+    def _hold_lease(self, request: pb.AllocateRequest) -> None:
+        reclaim = pb.AllocateRequest()
+        reclaim.CopyFrom(request)
+        reclaim.reclaim_allocation_id = self.allocation.allocation_id
+        reclaim.reclaim_device_ids.extend(self._device_ids)
+        lease = self._lease
+        while True:
+            try:
+                for _update in lease:
+                    pass
+            except grpc.RpcError as error:
+                if not self._released:
+                    _LOGGER.warning(
+                        "session %d: lost the resource manager at %s (%s); its devices stay in use, and "
+                        "the allocation is claimed again when it is back",
+                        self.session_id,
+                        self.cluster.rm_address,
+                        error.code().name,
+                    )
+            with self._lock:
+                if self._released:
+                    return
+                # Blocks (without polling) until the resource manager answers again.
+                lease = self._lease = self.cluster.allocate(reclaim, wait_for_ready=True)
+
+    def release(self) -> None:
+        with self._lock:
+            self._released = True
+            links, self._links = list(self._links.values()), {}
+            lease = self._lease
+        for link in links:
+            link.close()
+        lease.cancel()
+
+
+def _source_regions(value) -> list[tuple[slice, ...]]:
+    """The region of the global array each part of ``value`` holds (a single array: all of it)."""
+    if isinstance(value, PartedArray):
+        return [_region(index, value.shape) for index in value.sharding.shard_indices(value.shape)]
+    return [tuple(slice(0, d) for d in value.shape)]
+
+
+def _region(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(*s.indices(d)[:2]) for s, d in zip(index, shape, strict=True))
+
+
+def _contains(outer: tuple[slice, ...], inner: tuple[slice, ...]) -> bool:
+    return all(o.start <= i.start and i.stop <= o.stop for o, i in zip(outer, inner, strict=True))
+
+
+def _localize(compile_options: bytes, local_ids: dict[int, int]) -> bytes:
+    """The compile options with the device assignment in the worker's local ids."""
+    options = schema.load().xla.CompileOptionsProto.FromString(compile_options)
+    assignment = options.executable_build_options.device_assignment
+    for computation in assignment.computation_devices:
+        computation.replica_device_ids[:] = [local_ids[i] for i in computation.replica_device_ids]
+    return options.SerializeToString()
