@@ -135,14 +135,19 @@ PACKAGES = {
 
 @functools.cache
 def load() -> SimpleNamespace:
-    """Message classes of the IFRT proxy protocol, grouped by proto package.
+    """Message classes of the IFRT proxy protocol, grouped by proto package (read once per process).
 
     ``load().proxy.IfrtRequest`` is ``xla.ifrt.proxy.IfrtRequest``,
     ``load().ifrt.ShardingProto`` is ``xla.ifrt.ShardingProto``, and so on for
     the packages in ``PACKAGES``; nested messages are attributes of their
-    parent class (``load().proxy.InitResponse.Device``).
+    parent class (``load().proxy.InitResponse.Device``). Every caller gets the same classes:
+    a message of one read cannot be copied into a message of another.
     """
-    path = jaxlib_library_path()
+    return read(jaxlib_library_path())
+
+
+def read(path: str) -> SimpleNamespace:
+    """The message classes of the descriptors in the shared library at ``path`` (a fresh pool each call)."""
     try:
         found = {proto.name: proto for proto in _embedded_descriptors(path)}
     except OSError as e:
