@@ -10,7 +10,7 @@ def test_small_soak_has_no_wrong_results_and_memory_comes_back():
     with LocalCluster(islands=2, devices_per_host=2) as cluster:
         report = soak.run(cluster, clients=3, seconds=12)
     print(report.table())
-    assert report.killed_ok
+    assert report.killed_ok, report.killed_note
     assert len(report.clients) == 2 and all(c["iterations"] > 0 and c["connects"] >= 1 for c in report.clients)
     assert report.wrong == 0, report.clients
     assert not report.errors, report.errors[:5]

@@ -5,8 +5,10 @@ disconnects and connects again), and loops over a fixed set of workloads:
 uploads and reads of several dtypes and shapes, jitted programs on one
 device and on a sharded mesh of an island, copies between islands. Every
 result is compared with the same work on the client's own CPU devices: any
-difference is a wrong result. One client is killed mid-run (SIGKILL), as a
-crashed notebook would be; the others must finish. Afterwards the cluster's
+difference is a wrong result. One client is killed mid-work (SIGKILL), as a
+crashed notebook would be: it works until killed and reports each finished
+workload, and the kill comes right after such a report, while it is alive
+and inside the next one; the others must finish. Afterwards the cluster's
 processes must be back near the memory they used after a warm-up.
 
 ``benchmarks/soak.py`` runs the full soak (8 clients, 60 s); the test suite a
@@ -17,9 +19,10 @@ once, so during the soak nothing new is compiled and caches do not grow.
 from __future__ import annotations
 
 import json
-import signal
+import queue
 import subprocess
 import textwrap
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,6 +30,7 @@ from dataclasses import dataclass, field
 import psutil
 
 from pathways_nb.launch.local_cluster import LocalCluster
+from pathways_nb.launch.processes import exit_description
 from pathways_nb.testing import python_process
 
 CLIENT = """
@@ -34,6 +38,8 @@ CLIENT = """
     import jax, jax.numpy as jnp, numpy as np, pathways_nb
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+    # seconds: > 0 works that long; 0 runs every workload once (the warm-up); < 0 works until killed,
+    # reporting each finished workload.
     address, seconds, seed, token = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     jax.config.update("jax_num_cpu_devices", 4)             # local twins of an island's devices, for the checks
     rng = random.Random(seed)
@@ -85,11 +91,12 @@ CLIENT = """
             except Exception as error:
                 report["errors"].append(f"{type(error).__name__}: {str(error)[:300]}")
             report["iterations"] += 1
+            if seconds < 0:
+                print(json.dumps({"progress": report["iterations"]}), flush=True)
             if time.monotonic() - started >= seconds > 0:
                 break
         pathways_nb.disconnect()
-        print(json.dumps({"progress": report["iterations"]}), flush=True)
-        if time.monotonic() - started >= seconds:
+        if 0 <= seconds <= time.monotonic() - started:
             break
     print(json.dumps(report), flush=True)
 """
@@ -101,10 +108,16 @@ class SoakReport:
 
     clients: list[dict] = field(default_factory=list)
     killed_seed: int | None = None
-    killed_ok: bool = False
+    # How the client meant to be killed ended, when not by our SIGKILL mid-work: its status and stderr.
+    killed_note: str = ""
     rss_before: dict[str, int] = field(default_factory=dict)
     rss_after: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
+
+    @property
+    def killed_ok(self) -> bool:
+        """Whether the client meant to be killed was killed by us, alive and mid-work."""
+        return self.killed_seed is not None and not self.killed_note
 
     @property
     def wrong(self) -> int:
@@ -126,6 +139,7 @@ class SoakReport:
         lines = [
             f"soak: {len(self.clients)} surviving clients + 1 killed, {self.seconds:.0f} s, "
             f"{self.iterations} checked operations, {self.wrong} wrong, {len(self.errors)} errors",
+            *([self.killed_note] if self.killed_note else []),
             "| process | RSS after warm-up (MiB) | RSS after soak (MiB) | ratio |",
             "|---|---|---|---|",
         ]
@@ -159,8 +173,44 @@ def _client(cluster: LocalCluster, seconds: float, seed: int) -> subprocess.Pope
     return python_process(CLIENT, cluster.address, str(seconds), str(seed), cluster.token)
 
 
+def _kill_mid_work(victim: subprocess.Popen, reports: int, timeout_s: float) -> str:
+    """SIGKILLs the client just after its ``reports``-th finished workload; "" if that is how it ended.
+
+    The client works until killed and reports each workload as it finishes it, so the kill lands
+    while it is alive and inside the next one. Otherwise the answer says how it ended (status and
+    stderr): a client that fails by itself is a bug to look at, not a kill that came late.
+    """
+    progress: queue.SimpleQueue = queue.SimpleQueue()
+    stderr: list[str] = []
+    readers = [
+        threading.Thread(target=lambda: [progress.put(line) for line in victim.stdout], daemon=True),
+        threading.Thread(target=lambda: stderr.extend(victim.stderr), daemon=True),
+    ]
+    for reader in readers:
+        reader.start()
+    deadline, done = time.monotonic() + timeout_s, 0
+    while done < reports and victim.poll() is None:
+        try:
+            done += "progress" in json.loads(progress.get(timeout=min(1.0, max(0.0, deadline - time.monotonic()))))
+        except queue.Empty:
+            if time.monotonic() > deadline:
+                break
+    alive = victim.poll() is None
+    victim.kill()
+    victim.wait()
+    for reader in readers:
+        reader.join(timeout=10)
+    if done >= reports and alive:
+        return ""
+    if alive:
+        what = f"reported {done} of {reports} finished workloads within {timeout_s:g} s"
+    else:
+        what = f"had {exit_description(victim.returncode)} by itself after {done} finished workloads"
+    return f"the client meant to be killed mid-work {what}; its stderr:\n{''.join(stderr)[-3000:]}"
+
+
 def run(cluster: LocalCluster, clients: int = 8, seconds: float = 60.0, settle_s: float = 2.0) -> SoakReport:
-    """Soaks ``cluster``: ``clients`` processes for ``seconds``, one of them killed halfway."""
+    """Soaks ``cluster``: ``clients`` processes, all but one for ``seconds``; that one is killed mid-work."""
     report = SoakReport()
     warmup = _client(cluster, 0, 0)  # every workload once
     out, err = warmup.communicate(timeout=300)
@@ -170,16 +220,11 @@ def run(cluster: LocalCluster, clients: int = 8, seconds: float = 60.0, settle_s
     time.sleep(settle_s)
     report.rss_before = _rss(cluster)
     started = time.monotonic()
-    processes = [_client(cluster, seconds, seed) for seed in range(1, clients + 1)]
-    victim = processes[-1]
+    processes = [_client(cluster, seconds, seed) for seed in range(1, clients)]
+    victim = _client(cluster, -1, clients)  # works until killed
     report.killed_seed = clients
-    # Kill one client once it is well into its work (it has reported progress at least once).
-    victim.stdout.readline()
-    time.sleep(min(seconds / 4, 5.0))
-    victim.send_signal(signal.SIGKILL)
-    victim.communicate()
-    report.killed_ok = victim.returncode == -signal.SIGKILL
-    for process in processes[:-1]:
+    report.killed_note = _kill_mid_work(victim, reports=5, timeout_s=seconds + 120)
+    for process in processes:
         out, err = process.communicate(timeout=seconds + 300)
         if process.returncode != 0:
             raise RuntimeError(f"a soak client failed (status {process.returncode}):\n{err[-3000:]}")
@@ -202,4 +247,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     with LocalCluster(islands=2, devices_per_host=2) as cluster:
         report = run(cluster, args.clients, args.seconds)
     print(report.table())
-    return 0 if report.wrong == 0 and not report.errors else 1
+    return 0 if report.killed_ok and report.wrong == 0 and not report.errors else 1
