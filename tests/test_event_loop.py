@@ -10,6 +10,7 @@ served on the same event loop, and must not wait for A's answer.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ import time
 
 import pytest
 
+from pathways_nb.core import shared_memory
 from pathways_nb.launch.local_cluster import LocalCluster
 from pathways_nb.testing import python_process
 
@@ -109,3 +111,60 @@ def test_a_stopped_worker_holds_up_only_the_session_that_waits_for_it(slow_code,
             for process in (slow, prompt):
                 process.kill()
                 process.communicate()
+
+
+UPLOADER = """
+    import sys, time, jax, numpy as np, pathways_nb
+    pathways_nb.connect(sys.argv[1], tenant="uploader")
+    big = np.ones(64 << 20, np.float32)                   # 256 MiB
+    jax.device_put(big[:8], jax.devices()[0]).block_until_ready()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    started = time.time()
+    jax.device_put(big, jax.devices()[0]).block_until_ready()
+    print("uploaded", started, time.time(), flush=True)
+"""
+
+# Tiny programs until told to stop, then each one's start time and round trip.
+TICKER = """
+    import json, sys, threading, time, jax, numpy as np, pathways_nb
+    pathways_nb.connect(sys.argv[1], tenant="ticker")
+    step = jax.jit(lambda x: x + 1)
+    x = jax.device_put(np.float32(1), jax.devices()[-1])     # not the uploader's device (nor its island)
+    float(step(x))
+    stop = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
+    print("ready", flush=True)
+    ticks = []
+    while not stop.is_set():
+        started = time.time()
+        float(step(x))
+        ticks.append((started, time.time() - started))
+    print(json.dumps(ticks), flush=True)
+"""
+
+
+@pytest.mark.timeout(240)
+def test_a_large_upload_holds_up_no_other_session(backend):
+    """A 256 MiB upload is put on its device off the proxy's event loop, so that another session's
+    tiny programs (on another device) keep their pace meanwhile: its slowest round trip during the
+    upload is a fraction of the upload's time (on the loop, the put alone took most of it, and every
+    other request waited)."""
+    # Over gRPC (as from another host): on this host the proxy would map the client's file, no copy.
+    uploader = python_process(UPLOADER, backend.address, env={shared_memory.ENABLE_ENV: "0"})
+    ticker = python_process(TICKER, backend.address)
+    try:
+        assert _line(uploader) == "ready" and _line(ticker) == "ready"
+        _go(uploader)
+        word, started, ended = _line(uploader).split()
+        _go(ticker)
+        ticks = json.loads(_line(ticker))
+    finally:
+        for process in (uploader, ticker):
+            process.kill()
+            process.communicate()
+    assert word == "uploaded"
+    started, ended = float(started), float(ended)
+    during = [seconds for start, seconds in ticks if started <= start <= ended]
+    assert len(during) >= 3, (ended - started, len(ticks))
+    assert max(during) < (ended - started) / 3, (max(during), ended - started, sorted(during)[-5:])

@@ -18,6 +18,11 @@ from pathways_nb.proxy.dispatch import DEFERRED, handles
 
 ALWAYS_COPY, REUSE_INPUT, DONATE_INPUT = 1, 2, 3
 
+# Uploads of at least this many bytes are put on the devices on the wait pool, not on the event loop:
+# copying them (to a device, a shared-memory file, or gRPC chunks) would hold every other session's
+# requests for as long. Smaller ones are put at once, which costs less than the thread hop.
+OFF_LOOP_BYTES = 1 << 20
+
 
 # -- host <-> device ------------------------------------------------------------------------
 
@@ -114,16 +119,16 @@ def make_array_from_host_buffer(session, request, op_id):
     session.add_new_arrays([handle], [record], f"array {handle} ({dtype}{list(shape)})")
     started = time.time()
 
+    def put(data):
+        return session.runtime.put(_host_array(data, dtype, shape, strides), sharding)
+
     def arrived(data, error):
-        with session.lock:
-            if error is not None:
+        if error is not None:
+            with session.lock:
                 record.fail(error)
-                return
-            try:
-                record.set(session.runtime.put(_host_array(data, dtype, shape, strides), sharding))
-            except RequestError as failure:
-                record.fail(failure)
-            _record_transfer(session, "upload", f"{dtype}{list(shape)}", sharding, started, data.nbytes)
+            return
+        _put_when_arrived(session, record, lambda: put(data), data.nbytes)
+        _record_transfer(session, "upload", f"{dtype}{list(shape)}", sharding, started, data.nbytes)
 
     upload.on_done(arrived)
     return session.messages.proxy.MakeArrayFromHostBufferResponse(array_handle=handle)
@@ -172,19 +177,39 @@ def _make_from_shards(session, handle: int, spec, uploads: list[Pending]) -> Non
                 f"a host buffer of {buffer_dtype}{list(buffer_shape)} for shards of {dtype}{list(shard_shape)}"
             )
 
+    def put():
+        hosts = [_host_array(u.value, *s) for u, s in zip(uploads, buffer_specs, strict=True)]
+        shards = [hosts[owners[i]] for i in range(len(sharding.device_ids))]
+        return session.runtime.put_shards(shape, sharding, shards)
+
     def all_arrived(error):
-        with session.lock:
-            if error is not None:
+        if error is not None:
+            with session.lock:
                 record.fail(error)
-                return
-            try:
-                hosts = [_host_array(u.value, *s) for u, s in zip(uploads, buffer_specs, strict=True)]
-                shards = [hosts[owners[i]] for i in range(len(sharding.device_ids))]
-                record.set(session.runtime.put_shards(shape, sharding, shards))
-            except RequestError as failure:
-                record.fail(failure)
+            return
+        _put_when_arrived(session, record, put, sum(u.value.nbytes for u in uploads))
 
     when_all(uploads, all_arrived)
+
+
+def _put_when_arrived(session, record: ArrayRecord, put, nbytes: int) -> None:
+    """Sets ``record`` to ``put()``'s device value: on the wait pool for a large upload, else at once."""
+
+    def done(value, error) -> None:
+        if error is not None:
+            record.fail(error)
+        else:
+            record.set(value)
+
+    if nbytes >= OFF_LOOP_BYTES:
+        session.in_background(put, done)
+        return
+    with session.lock:
+        try:
+            value, error = put(), None
+        except RequestError as failure:
+            value, error = None, failure
+        done(value, error)
 
 
 @handles("copy_to_host_buffer_request")
