@@ -4,11 +4,12 @@ Requests are generated from the wire schema read from jaxlib (every kind of
 ``IfrtRequest``, random field values, handles that exist and that don't, huge
 and negative dims, empty and huge device lists, random shardings, dtypes and
 type names), or are byte-level mutations of the requests a real jax client
-sent (captured through a relay). Host-buffer calls with random sizes are mixed
+sent (captured through a relay), their StableHLO programs corrupted too (bit
+flips, truncations, splices). Host-buffer calls with random sizes are mixed
 in. Every reply must be a well-formed response; an INTERNAL reply is a server
 bug (an error nobody turned into a clear status). Afterwards every server
-process is alive, a stock jax client computes correctly, and each server's
-memory is back near where it started.
+process is alive (none was replaced), a stock jax client computes correctly,
+and each server's memory is back near where it started.
 
 ``PATHWAYS_FUZZ_SEED`` and ``PATHWAYS_FUZZ_SECONDS`` (per target) change the run.
 """
@@ -357,6 +358,21 @@ def _mutate(rng: random.Random, data: bytes) -> bytes:
     return bytes(out)
 
 
+def _mutate_program(rng: random.Random, program: bytes, other: bytes) -> bytes:
+    """A StableHLO artifact corrupted as storage and networks corrupt: bit flips, a truncation, or a splice."""
+    choice = rng.randrange(4)
+    if choice == 0 and program:
+        flipped = bytearray(program)
+        for _ in range(rng.randint(1, 3)):
+            flipped[rng.randrange(len(flipped))] ^= 1 << rng.randrange(8)
+        return bytes(flipped)
+    if choice == 1:
+        return program[: rng.randrange(len(program) + 1)]
+    if choice == 2:  # the head of one module, the tail of another
+        return program[: rng.randrange(len(program) + 1)] + other[rng.randrange(len(other) + 1) :]
+    return program
+
+
 # -- the fuzzing session ---------------------------------------------------------------------------
 
 
@@ -476,10 +492,13 @@ class FuzzSession:
         if kind is None or kind == "init_request":
             return
         if kind == "compile_request" and parse(original).WhichOneof("request") == kind:
-            # XLA's MLIR bytecode reader is not hardened against near-valid corruptions (a mutant
-            # made it abort with "double free or corruption"): programs go intact, or as the
-            # random bytes of generated requests, which it refuses at their header.
-            request.compile_request.program.data = parse(original).compile_request.program.data
+            # The request's fields are mutated above; its program, a real StableHLO artifact, is
+            # mutated as a program: XLA's bytecode reader aborts on some near-valid corruptions,
+            # which servers must read in a child process first (``worker.program_check``).
+            programs = [parse(data).compile_request.program.data for data in requests if b"StableHLO" in data]
+            request.compile_request.program.data = _mutate_program(
+                self.rng, parse(original).compile_request.program.data, self.rng.choice(programs)
+            )
         self.send(kind, request)
 
     def _host_buffer_call(self) -> None:
@@ -634,8 +653,12 @@ def test_fuzz_single_process_proxy(proxy_server, captured):
 
 
 def test_fuzz_cluster(cluster, captured):
+    exits = len(cluster.exits)
+
     def dead() -> list[str]:
-        return [f"{p.name}: {p.log_tail()}" for p in cluster.processes() if not p.alive()]
+        # A worker the supervisor replaced is alive again: its exit says it died.
+        replaced = [f"{e.name}: {e.description}" for e in cluster.exits[exits:]]
+        return replaced + [f"{p.name}: {p.log_tail()}" for p in cluster.processes() if not p.alive()]
 
     _fuzz_and_check("cluster", cluster.processes(), dead, cluster.address, captured, SECONDS)
 

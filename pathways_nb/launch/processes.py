@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from pathways_nb.core.exit_status import exit_description
 from pathways_nb.errors import PathwaysError
 
 # Set for every child: the pid of the process that launched it. A child whose
@@ -83,14 +84,6 @@ class Status(enum.Enum):
 
 class ServerStartError(PathwaysError):
     """A child server exited or stayed silent instead of serving."""
-
-
-def exit_description(returncode: int | None) -> str:
-    if returncode is None:
-        return "still running"
-    if returncode < 0:
-        return f"killed by signal {signal.Signals(-returncode).name}"
-    return f"exited with status {returncode}"
 
 
 class ChildServer:

@@ -18,7 +18,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pathways_nb.launch.processes import ChildServer, ServerStartError, Status, exit_description
+from pathways_nb.core.exit_status import exit_description
+from pathways_nb.launch.processes import ChildServer, ServerStartError, Status
 
 _LOGGER = logging.getLogger(__name__)
 

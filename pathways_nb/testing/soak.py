@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 
 import psutil
 
+from pathways_nb.core.exit_status import exit_description
 from pathways_nb.launch.local_cluster import LocalCluster
-from pathways_nb.launch.processes import exit_description
 from pathways_nb.testing import python_process
 
 CLIENT = """

@@ -41,6 +41,7 @@ from pathways_nb.protocol.shardings import IfrtSharding
 from pathways_nb.worker import jaxlib_kernels
 from pathways_nb.worker import signature as program_signature
 from pathways_nb.worker.island import IslandMembership
+from pathways_nb.worker.program_check import ProgramChecker
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -88,6 +89,8 @@ class LocalRuntime:
         self._by_id = {d.id: d for d in jax.devices()}
         self._local_ids = frozenset(d.id for d in self.devices)
         self.timer = ExecutionTimer()
+        # Programs are read in a child process first: a corrupted one must not abort this server.
+        self.program_checker = ProgramChecker()
 
     @property
     def device_ids(self) -> tuple[int, ...]:
@@ -240,6 +243,7 @@ class LocalRuntime:
         from jax._src import core
         from jax._src.lib import xla_client as xc
 
+        self.program_checker.check(program)
         signature = program_signature.read(program)
         devices = [self.device(i) for i in device_ids]
         options = xc.CompileOptions.ParseFromString(compile_options)

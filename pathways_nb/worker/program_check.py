@@ -1,0 +1,145 @@
+"""Reading a client's StableHLO program where a crash costs only the reading: in a child process.
+
+XLA's MLIR bytecode reader is not hardened against near-valid corruptions: a flipped bit or a
+truncated artifact can abort the process that reads it ("double free or corruption", SIGSEGV)
+instead of raising. So before a server (a worker, or the single-process proxy) reads a program
+itself, a child process reads it first, the way XLA's compile will: it deserializes the artifact
+and converts it to an HLO computation (parse, verify, legalize). A program the child survives is
+safe to read here; one that kills the child is refused with a clear error, and a new child reads
+the next program. Each distinct program is checked once (by content).
+
+The child speaks a tiny framed protocol on its standard input and output:
+``python -m pathways_nb.worker.program_check``.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import os
+import select
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+from pathways_nb.core.exit_status import exit_description
+from pathways_nb.protocol.errors import InvalidRequest
+
+# How long one program may take to read before its reader is given up (and the program refused).
+CHECK_TIMEOUT_S = 120.0
+# Programs already read safely, by digest (a worker or proxy sees the same few programs again and again).
+_REMEMBERED = 4096
+_LENGTH = struct.Struct("<Q")
+_OK, _ERROR = b"+", b"-"
+
+
+class ProgramChecker:
+    """A child process that reads programs first; one per server process, started on first use."""
+
+    def __init__(self, timeout_s: float = CHECK_TIMEOUT_S):
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._child: subprocess.Popen | None = None
+        self._safe: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        # Children that died reading a program (or were given up), for tests and logs.
+        self.crashes = 0
+
+    def check(self, program: bytes) -> None:
+        """Returns if reading ``program`` cannot crash this process; raises ``InvalidRequest`` otherwise.
+
+        A program the reader refuses with an ordinary error passes: the caller's own read reports
+        that error in its usual words (the version advice of ``compat.stablehlo`` among them).
+        """
+        digest = hashlib.sha256(program).digest()
+        with self._lock:
+            if digest in self._safe:
+                self._safe.move_to_end(digest)
+                return
+            self._read_in_child(program)
+            self._safe[digest] = None
+            if len(self._safe) > _REMEMBERED:
+                self._safe.popitem(last=False)
+
+    def _read_in_child(self, program: bytes) -> None:
+        child = self._running_child()
+        try:
+            child.stdin.write(_LENGTH.pack(len(program)) + program)
+            child.stdin.flush()
+            reply = _read_frame(child.stdout, time.monotonic() + self.timeout_s)
+        except (OSError, EOFError, TimeoutError) as error:
+            self._give_up(child)
+            how = (
+                f"it took longer than {self.timeout_s:g} s"
+                if isinstance(error, TimeoutError)
+                else f"the process reading it {exit_description(child.returncode)}"
+            )
+            raise InvalidRequest(
+                f"the program could not be read safely: {how}. Its bytes are not a valid StableHLO "
+                "artifact (corrupted or truncated on the way?); lower the function again with jax and send that"
+            ) from None
+        if reply[:1] != _OK and reply[:1] != _ERROR:
+            self._give_up(child)
+            raise InvalidRequest("the program's reader answered nonsense; the program is refused")
+
+    def _running_child(self) -> subprocess.Popen:
+        child = self._child
+        if child is None or child.poll() is not None:
+            child = self._child = subprocess.Popen(
+                [sys.executable, "-m", __name__],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+            )
+        return child
+
+    def _give_up(self, child: subprocess.Popen) -> None:
+        self.crashes += 1
+        child.kill()
+        child.wait()
+        self._child = None
+
+
+def _read_frame(stream, deadline: float) -> bytes:
+    """One length-prefixed frame from a pipe, by ``deadline`` (``TimeoutError``; ``EOFError`` if it closed)."""
+    header = _read_exactly(stream, _LENGTH.size, deadline)
+    return _read_exactly(stream, _LENGTH.unpack(header)[0], deadline)
+
+
+def _read_exactly(stream, size: int, deadline: float) -> bytes:
+    data = bytearray()
+    descriptor = stream.fileno()
+    while len(data) < size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not select.select([descriptor], [], [], remaining)[0]:
+            raise TimeoutError
+        chunk = os.read(descriptor, size - len(data))
+        if not chunk:
+            raise EOFError
+        data += chunk
+    return bytes(data)
+
+
+def _serve() -> None:
+    """The child: reads each program as XLA's compile will, answers ``+`` or ``-message``."""
+    from jaxlib import _jax
+
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    while True:
+        header = stdin.read(_LENGTH.size)
+        if len(header) < _LENGTH.size:
+            return  # the server closed the pipe (or ended)
+        program = stdin.read(_LENGTH.unpack(header)[0])
+        try:
+            _jax.mlir.mlir_module_to_xla_computation(program, use_tuple_args=False, return_tuple=False)
+            reply = _OK
+        except Exception as error:  # noqa: BLE001 - an ordinary refusal: the server's own read reports it
+            reply = _ERROR + str(error).encode(errors="replace")[:2000]
+        stdout.write(_LENGTH.pack(len(reply)) + reply)
+        stdout.flush()
+
+
+if __name__ == "__main__":
+    _serve()

@@ -1,0 +1,90 @@
+"""A corrupted StableHLO program costs only the child process that reads it first, never a server.
+
+XLA's bytecode reader aborts (SIGSEGV, SIGABRT) on some near-valid corruptions. The test finds
+such a program the way the fuzzer would (seeded bit flips of a real artifact, until one kills a
+bare reader), then sends it to both kinds of server: each refuses it with a clear error, stays
+up (no worker is replaced either), and compiles the intact program right after.
+"""
+
+from __future__ import annotations
+
+import random
+
+import grpc
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.lib import _jax
+from jaxlib.mlir.dialects import stablehlo
+
+from pathways_nb.protocol.errors import InvalidRequest
+from pathways_nb.testing import WireSession
+from pathways_nb.worker.program_check import ProgramChecker
+
+# Mutants to try before concluding that this jaxlib's reader no longer crashes (about 1 in 150 does).
+SEARCH = 1500
+
+
+def _artifact() -> bytes:
+    lowered = jax.jit(lambda a: jnp.tanh(a @ a).sum(axis=0)).lower(np.ones((8, 8), np.float32))
+    return _jax.mlir.serialize_portable_artifact(lowered.as_text(), stablehlo.get_current_version())
+
+
+def _flipped(rng: random.Random, program: bytes) -> bytes:
+    out = bytearray(program)
+    for _ in range(rng.randint(1, 3)):
+        out[rng.randrange(len(out))] ^= 1 << rng.randrange(8)
+    return bytes(out)
+
+
+@pytest.fixture(scope="module")
+def crashing() -> tuple[bytes, bytes]:
+    """(an intact artifact, a mutant of it that kills the process reading it), checked by a bare checker."""
+    program = _artifact()
+    checker = ProgramChecker()
+    checker.check(program)
+    rng = random.Random(20261202)
+    for _ in range(SEARCH):
+        mutant = _flipped(rng, program)
+        try:
+            checker.check(mutant)
+        except InvalidRequest as refusal:
+            assert checker.crashes == 1
+            assert "could not be read safely" in refusal.message and "killed by signal" in refusal.message
+            checker.check(program)  # a new reader serves the next program
+            return program, mutant
+    pytest.fail(f"none of {SEARCH} mutants crashed the reader: jaxlib's reader may be hardened now; drop the search")
+
+
+def _compile(wire: WireSession, program: bytes, device_id: int):
+    """A compile request for ``program`` on one device, as the stock client sends it."""
+    messages = wire.messages
+    options = messages.ifrt.XlaCompileOptionsProto()
+    build = options.compile_options.executable_build_options
+    build.num_replicas = build.num_partitions = 1
+    build.device_ordinal = -1
+    assignment = build.device_assignment
+    assignment.replica_count = assignment.computation_count = 1
+    assignment.computation_devices.add().replica_device_ids.append(device_id)
+    request = messages.proxy.CompileRequest()
+    request.program.type_name = "xla::ifrt::XlaProgram"
+    request.program.data = program
+    request.compile_options.type_name = "xla::ifrt::XlaCompileOptions"
+    request.compile_options.data = options.SerializeToString()
+    return wire.call("compile_request", request).response_metadata.status
+
+
+def test_a_program_that_crashes_the_reader_is_refused_and_the_server_lives(backend, crashing, request):
+    program, mutant = crashing
+    exits = len(request.getfixturevalue("cluster").exits) if backend.name == "cluster" else 0
+    with WireSession(backend.address) as wire:
+        device = wire.init_response.addressable_device_ids[0]
+        status = _compile(wire, mutant, device)
+        assert status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], status
+        assert "could not be read safely" in status.message and "lower the function again" in status.message
+        assert _compile(wire, program, device).code == 0
+    if backend.name == "cluster":
+        assert len(request.getfixturevalue("cluster").exits) == exits  # no worker died and was replaced
+    else:
+        assert request.getfixturevalue("proxy_server").alive()
