@@ -19,6 +19,7 @@ import time
 
 import pytest
 
+from pathways_nb.client.observe import Observer
 from pathways_nb.core import shared_memory
 from pathways_nb.launch.local_cluster import LocalCluster
 from pathways_nb.testing import python_process
@@ -75,6 +76,15 @@ def _line(process: subprocess.Popen) -> str:
     return line
 
 
+def _requests_served(cluster: LocalCluster, tenant: str) -> int:
+    """How many requests the proxy has served for ``tenant``'s session."""
+    observer = Observer(cluster.address, token=cluster.token)
+    try:
+        return sum(s.requests for s in observer.state().sessions if s.tenant == tenant)
+    finally:
+        observer.close()
+
+
 def _go(process: subprocess.Popen) -> None:
     process.stdin.write("go\n")
     process.stdin.flush()
@@ -90,12 +100,17 @@ def test_a_stopped_worker_holds_up_only_the_session_that_waits_for_it(slow_code,
         resume = threading.Timer(STOPPED_S, os.kill, (worker.pid, signal.SIGCONT))
         try:
             assert _line(slow) == "ready" and _line(prompt) == "ready"
+            served = _requests_served(cluster, "slow")
             os.kill(worker.pid, signal.SIGSTOP)
             resume.start()
             stopped_at = time.monotonic()
             _go(slow)
             assert _line(slow) == "asking"
-            time.sleep(0.3)  # A's request is at the proxy, whose answer waits for the stopped worker
+            # A's request is at the proxy, whose answer waits for the stopped worker.
+            deadline = stopped_at + STOPPED_S
+            while _requests_served(cluster, "slow") == served:
+                assert time.monotonic() < deadline, "A's request did not reach the proxy"
+                time.sleep(0.01)
             _go(prompt)
             word, seconds, value = _line(prompt).split()
             waited = time.monotonic() - stopped_at

@@ -614,10 +614,18 @@ def _rss(processes: list[psutil.Process]) -> list[int]:
 
 
 def _fuzz_and_check(
-    name: str, processes: list, alive: Callable[[], list[str]], address: str, corpus, seconds: float
+    name: str,
+    processes: list,
+    alive: Callable[[], list[str]],
+    address: str,
+    corpus,
+    seconds: float,
+    token: str | None = None,
 ) -> None:
     pids = [psutil.Process(p.process.pid) for p in processes]
+    earlier = testing.open_sessions(address, token)  # (this process's own, if a test before connected it)
     _run_client(address, stock=False)  # warm: what a first client loads stays loaded
+    testing.wait_until_sessions_end(address, token, besides=earlier)
     before = _rss(pids)
     started = time.monotonic()
     findings = _fuzz(address, corpus, seconds, SEED, alive)
@@ -626,7 +634,7 @@ def _fuzz_and_check(
     recent = "\n".join(findings.recent)
     assert not dead, f"{name}: server processes died while fuzzing: {dead}\nthe last requests sent:\n{recent}"
     _run_client(address, stock=False)
-    time.sleep(0.5)
+    testing.wait_until_sessions_end(address, token, besides=earlier)  # the fuzzer's and clients' arrays are gone
     after = _rss(pids)
     summary = (
         f"{name}: {findings.sent} requests + {findings.host_calls} host-buffer calls in {elapsed:.1f} s, "
@@ -660,7 +668,7 @@ def test_fuzz_cluster(cluster, captured):
         replaced = [f"{e.name}: {e.description}" for e in cluster.exits[exits:]]
         return replaced + [f"{p.name}: {p.log_tail()}" for p in cluster.processes() if not p.alive()]
 
-    _fuzz_and_check("cluster", cluster.processes(), dead, cluster.address, captured, SECONDS)
+    _fuzz_and_check("cluster", cluster.processes(), dead, cluster.address, captured, SECONDS, cluster.token)
 
 
 # -- what the fuzzer found, pinned ------------------------------------------------------------------

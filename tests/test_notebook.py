@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 
 import pytest
 
@@ -109,12 +110,12 @@ def test_live_timeline_follows_a_running_loop(kernel):
     out = kernel.run("%pathways timeline --live --last 3")
     (model,) = out["widgets"]
     before = kernel.widget_state(model)["value"]
-    kernel.run(
-        "for _ in range(20):\n    ws = [step(ws[0], x0), step(ws[1], x5)]\n"
-        "jax.block_until_ready(ws)\nimport time; time.sleep(1.5)"
-    )
-    after = kernel.widget_state(model)["value"]
-    assert after != before and "pw-bar" in after
+    kernel.run("for _ in range(20):\n    ws = [step(ws[0], x0), step(ws[1], x5)]\njax.block_until_ready(ws)")
+    deadline = time.monotonic() + 60
+    while (after := kernel.widget_state(model)["value"]) == before or "pw-bar" not in after:
+        assert time.monotonic() < deadline, "the live timeline did not show the loop's steps"
+        kernel.run("pass")  # (the widget's updates are read while a cell runs)
+    assert "pw-bar" in after
 
 
 def test_already_connected_then_disconnect_and_reconnect(kernel, cluster):

@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from pathways_nb import testing
+from pathways_nb.client.observe import Observer
 
 GIB = 1 << 30
 
@@ -31,7 +32,9 @@ def _client(address: str, body: str) -> subprocess.Popen:
         PATHWAYS_SHARED_MEMORY="0",
     )
     code = "import jax, numpy as np, sys, time\n" + textwrap.dedent(body)
-    return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
 
 
 def _rss(server) -> int:
@@ -62,11 +65,13 @@ def test_disconnect_frees_the_clients_arrays(server):
                   for i in range(4)]
         jax.block_until_ready(arrays)
         print("holding", flush=True)
-        sys.stdin.read() if False else time.sleep(3)
+        sys.stdin.readline()
     """,
     )
     assert client.stdout.readline().strip() == b"holding", client.stderr.read().decode()[-2000:]
     holding = _rss(server)
+    client.stdin.write(b"done\n")
+    client.stdin.flush()
     assert holding - before > 0.9 * GIB
     assert client.wait(60) == 0
     # The 1 GiB of arrays (and their upload buffers) go back; compiler caches may stay.
@@ -83,7 +88,15 @@ def test_client_killed_mid_upload(server, connected, remote):
     """,
     )
     assert client.stdout.readline().strip() == b"started"
-    time.sleep(1.5)
+    # Killed while the server is receiving one of its uploads (the observe API lists it as under way).
+    observer = Observer(server.address)
+    deadline = time.monotonic() + 60
+    try:
+        while not any(activity.kind == "upload" for activity in observer.state().activities):
+            assert time.monotonic() < deadline and client.poll() is None, client.stderr.read().decode()[-2000:]
+            time.sleep(0.01)
+    finally:
+        observer.close()
     client.send_signal(signal.SIGKILL)
     client.wait(10)
     with testing.WireSession(server.address) as other:

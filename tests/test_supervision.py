@@ -71,10 +71,10 @@ NEW_WORK_ON_A_DEAD_ISLAND = """
     }
     print(json.dumps(report), flush=True)
     sys.stdin.readline()                                          # the resource manager shows it back
-    for _ in range(20):                                           # the proxy hears of it within its next update
-        fresh = attempt(lambda: jax.jit(lambda x: x + 1)(jax.device_put(np.full(3, 41, np.float32), island1)))
-        if "value" in fresh:
-            break
+    deadline = time.monotonic() + 60                              # the proxy hears of it within its next update
+    while "value" not in (
+        fresh := attempt(lambda: jax.jit(lambda x: x + 1)(jax.device_put(np.full(3, 41, np.float32), island1)))
+    ) and time.monotonic() < deadline:
         time.sleep(0.25)
     report = {
         "fresh": fresh,

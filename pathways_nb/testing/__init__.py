@@ -15,7 +15,8 @@ import queue
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
+import time
+from collections.abc import Collection, Iterator
 
 import grpc
 
@@ -134,6 +135,42 @@ class WireSession:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def open_sessions(address: str, token: str | None = None) -> set[int]:
+    """The ids of the sessions the proxy at ``address`` holds now."""
+    from pathways_nb.client.observe import Observer
+
+    observer = Observer(address, token=token)
+    try:
+        return {session.session_id for session in observer.state().sessions}
+    finally:
+        observer.close()
+
+
+def wait_until_sessions_end(
+    address: str, token: str | None = None, besides: Collection[int] = (), timeout_s: float = 60.0
+) -> None:
+    """Polls the proxy until only the sessions ``besides`` are left (and, if none is, no allocation).
+
+    A client that disconnected or died is ended by the proxy a moment later: what the servers hold
+    is measured after that, not after a fixed time. ``TimeoutError`` after ``timeout_s``.
+    """
+    from pathways_nb.client.observe import Observer
+
+    observer = Observer(address, token=token)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            state = observer.state()
+            left = [s.session_id for s in state.sessions if s.session_id not in besides]
+            if not left and (besides or not state.allocations):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"sessions {left} (or their allocations) still open after {timeout_s:g} s")
+            time.sleep(0.1)
+    finally:
+        observer.close()
 
 
 def python_process(code: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:

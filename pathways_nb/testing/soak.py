@@ -31,7 +31,7 @@ import psutil
 
 from pathways_nb.core.exit_status import exit_description
 from pathways_nb.launch.local_cluster import LocalCluster
-from pathways_nb.testing import python_process
+from pathways_nb.testing import python_process, wait_until_sessions_end
 
 CLIENT = """
     import itertools, json, random, sys, time
@@ -154,21 +154,6 @@ def _rss(cluster: LocalCluster) -> dict[str, int]:
     return {child.name: psutil.Process(child.process.pid).memory_info().rss for child in cluster.processes()}
 
 
-def _wait_for_no_sessions(cluster: LocalCluster, timeout_s: float) -> None:
-    """Waits until the proxy has ended every session and the resource manager holds no allocation."""
-    from pathways_nb.client.observe import Observer
-
-    observer = Observer(cluster.address, token=cluster.token)
-    deadline = time.monotonic() + timeout_s
-    try:
-        while observer.state().sessions or cluster.state().allocations:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"sessions still open after the soak: {observer.state().sessions}")
-            time.sleep(0.2)
-    finally:
-        observer.close()
-
-
 def _client(cluster: LocalCluster, seconds: float, seed: int) -> subprocess.Popen:
     return python_process(CLIENT, cluster.address, str(seconds), str(seed), cluster.token)
 
@@ -216,7 +201,7 @@ def run(cluster: LocalCluster, clients: int = 8, seconds: float = 60.0, settle_s
     out, err = warmup.communicate(timeout=300)
     if warmup.returncode != 0:
         raise RuntimeError(f"the warm-up client failed:\n{err[-3000:]}")
-    _wait_for_no_sessions(cluster, 30)
+    wait_until_sessions_end(cluster.address, cluster.token, timeout_s=30)
     time.sleep(settle_s)
     report.rss_before = _rss(cluster)
     started = time.monotonic()
@@ -230,7 +215,7 @@ def run(cluster: LocalCluster, clients: int = 8, seconds: float = 60.0, settle_s
             raise RuntimeError(f"a soak client failed (status {process.returncode}):\n{err[-3000:]}")
         report.clients.append(json.loads(out.strip().splitlines()[-1]))
     report.seconds = time.monotonic() - started
-    _wait_for_no_sessions(cluster, 60)
+    wait_until_sessions_end(cluster.address, cluster.token, timeout_s=60)
     time.sleep(settle_s)
     report.rss_after = _rss(cluster)
     return report
