@@ -22,7 +22,7 @@ HAVE_PY312 := $(shell $(PYTHON312) -c 'import sys; print(sys.version_info[:2] ==
 PY312_PART := $(if $(filter True,$(HAVE_PY312)),$(PY312_VENV)/bin/pathways-nb,no-python312)
 REQUIRE_ALL ?=
 # $(call unavailable,MESSAGE): says what is missing and what to install; an error only under REQUIRE_ALL.
-unavailable = { echo "make: $(1)" >&2; test -z "$(REQUIRE_ALL)"; }
+unavailable = { echo "make: $(1)$(if $(REQUIRE_ALL), (an error: REQUIRE_ALL is set))" >&2; test -z "$(REQUIRE_ALL)"; }
 # Installs Debian packages where that is possible (root and apt-get); fails otherwise.
 apt_install = test "$$(id -u)" = 0 && command -v apt-get >/dev/null && apt-get update -qq && \
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(1)
