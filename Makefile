@@ -2,6 +2,9 @@
 #   make quickstart   run the quickstart notebook on a local cluster (no cloud account)
 #   make test         run the test suite (installs what it needs: packages, the compatibility matrix's JAX
 #                     clients and jax 0.12 server on Python 3.12, Chromium)
+# What pip cannot install (Python 3.12, Chromium from apt as root) is made where it can be; where it cannot, make says
+# in one line what to install and the tests that need it skip, saying the same. REQUIRE_ALL=1 (CI's .ci/run) makes a
+# missing part an error instead.
 
 PYTHON ?= python3
 VENV := .venv
@@ -15,8 +18,16 @@ JAX09_CLIENT_JAX := 0.9.2
 PY312_VENV := .venv-py312
 PY312_JAX := 0.12.0.1
 PYTHON312 ?= $(firstword $(wildcard /root/.pyenv/versions/3.12.1/bin/python) python3.12)
+HAVE_PY312 := $(shell $(PYTHON312) -c 'import sys; print(sys.version_info[:2] == (3, 12))' 2>/dev/null)
+PY312_PART := $(if $(filter True,$(HAVE_PY312)),$(PY312_VENV)/bin/pathways-nb,no-python312)
+REQUIRE_ALL ?=
+# $(call unavailable,MESSAGE): says what is missing and what to install; an error only under REQUIRE_ALL.
+unavailable = { echo "make: $(1)$(if $(REQUIRE_ALL), (an error: REQUIRE_ALL is set))" >&2; test -z "$(REQUIRE_ALL)"; }
+# Installs Debian packages where that is possible (root and apt-get); fails otherwise.
+apt_install = test "$$(id -u)" = 0 && command -v apt-get >/dev/null && apt-get update -qq && \
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(1)
 
-.PHONY: quickstart test lint docs install chromium iproute2 clean compat-venvs
+.PHONY: quickstart test lint docs install chromium iproute2 clean compat-venvs no-python312
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,7 +49,11 @@ $(PY312_VENV)/bin/pathways-nb: pyproject.toml
 	$(PYTHON312) -m venv $(PY312_VENV)
 	$(PY312_VENV)/bin/python -m pip install --quiet -e . pytest pytest-timeout "jax==$(PY312_JAX)" "jaxlib==$(PY312_JAX)"
 
-compat-venvs: $(OLD_CLIENT_VENV)/bin/python $(JAX09_CLIENT_VENV)/bin/python $(PY312_VENV)/bin/pathways-nb
+no-python312:
+	@$(call unavailable,no Python 3.12 at PYTHON312=$(PYTHON312): the jax 0.12 parts of tests/test_compat.py will skip; \
+install python3.12 or pass PYTHON312=/path/to/python3.12)
+
+compat-venvs: $(OLD_CLIENT_VENV)/bin/python $(JAX09_CLIENT_VENV)/bin/python $(PY312_PART)
 
 quickstart: install
 	$(BIN)/python -m pathways_nb.notebook.quickstart
@@ -54,18 +69,19 @@ docs: install
 
 # The browser tests drive Debian's Chromium (Playwright's own browser download is not used).
 chromium:
-	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || ($(call apt_install,chromium)) || \
+		$(call unavailable,no Chromium: tests/test_browser.py will skip; install it (as root: apt-get install chromium))
 
 # tests/test_netns.py puts hosts in network namespaces with `ip` (iproute2), which slim Debian images lack;
 # without it (or without root) that test skips and says why, so a failed install does not stop the suite.
 iproute2:
-	command -v ip >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2) \
-		|| echo "could not install iproute2: tests/test_netns.py will skip"
+	@command -v ip >/dev/null || ($(call apt_install,iproute2)) || \
+		echo "make: no iproute2: tests/test_netns.py will skip; install it (as root: apt-get install iproute2)" >&2
 
 test: install chromium iproute2 compat-venvs
 	PATHWAYS_OLD_CLIENT_PYTHON=$(abspath $(OLD_CLIENT_VENV))/bin/python \
 	PATHWAYS_JAX09_PYTHON=$(abspath $(JAX09_CLIENT_VENV))/bin/python \
-	PATHWAYS_PY312_PYTHON=$(abspath $(PY312_VENV))/bin/python \
+	PATHWAYS_PY312_PYTHON=$(if $(filter True,$(HAVE_PY312)),$(abspath $(PY312_VENV))/bin/python) \
 	$(BIN)/python -m pytest -q
 
 clean:

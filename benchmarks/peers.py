@@ -37,7 +37,7 @@ import numpy as np
 import workloads
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-INSTALL_HINT = "pip install 'pathways-nb[bench]'"
+INSTALL_HINT = 'pip install -e ".[bench]" in the checkout'
 RAY_START_ATTEMPTS = 3
 
 

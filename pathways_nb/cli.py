@@ -188,6 +188,9 @@ def _serve(server, message: str, started: float, port_file: str | None) -> int:
     return 0
 
 
+DEVICES_HELP = "number of CPU devices to create (default: JAX's, 1); accelerators always serve all of theirs"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pathways-nb", description="Run JAX on a Pathways-style cluster.")
     parser.add_argument("--version", action="version", version=f"pathways-nb {__version__}")
@@ -200,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     proxy.add_argument("--server_port", type=int, default=29000, help="port to listen on; 0 picks a free one")
     proxy.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
-    proxy.add_argument("--devices", type=int, default=None, help="number of CPU devices to create (CPU only)")
+    proxy.add_argument("--devices", type=int, default=None, help=DEVICES_HELP)
     proxy.add_argument("--platform", default="cpu", help="local platform: cpu, cuda, rocm, tpu, or auto")
     proxy.add_argument(
         "--host_buffer_timeout",
@@ -220,8 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="most bytes of arrays one session may keep on its devices; default: half of this machine's "
-        "RAM for CPU devices (set it for a cluster whose workers run elsewhere), no limit for accelerators, "
-        "whose runtime enforces its own; 0: no limit",
+        "RAM, for CPU devices and for any cluster (--resource_manager_address: the proxy cannot see its workers' "
+        "memory, so set it there), no limit for this machine's accelerators, whose runtime enforces its own; "
+        "0: no limit",
     )
     proxy.add_argument("--port_file", default=None, help="write the bound port to this file once serving")
     proxy.add_argument(
@@ -249,7 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     rm.add_argument(
         "--instance_type",
         default=None,
-        help="island shape PLATFORM:HOSTSxDEVICES, e.g. cpu:1x4; unset: accept any workers",
+        help="island shape PLATFORM:HOSTSxDEVICES, e.g. cpu:1x4 or gpu:2x8 (PLATFORM as jaxlib names the workers' "
+        "devices: cpu, gpu (cuda and rocm mean gpu), tpu); unset: accept any workers",
     )
     rm.add_argument(
         "--worker_timeout", type=float, default=3.0, help="seconds without heartbeat before a worker is dead"
@@ -275,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="HOST:PORT of the island's host 0, which serves its distributed runtime (islands of several hosts)",
     )
-    worker.add_argument("--devices", type=int, default=None, help="number of CPU devices to create (CPU only)")
+    worker.add_argument("--devices", type=int, default=None, help=DEVICES_HELP)
     worker.add_argument("--platform", default="cpu", help="local platform: cpu, cuda, rocm, tpu, or auto")
     worker.add_argument("--port_file", default=None, help="write the bound port to this file once serving")
     security.add_arguments(worker, serve_tls=True, call_tls=True)

@@ -95,7 +95,7 @@ def _notebook(address: str, token: str) -> nbformat.NotebookNode:
     return notebook
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (make test installs it)")
+@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium: install it (as root: apt-get install chromium)")
 def test_notebook_in_jupyterlab_shows_the_widgets(lab, cluster):
     from playwright.sync_api import sync_playwright
 

@@ -30,15 +30,17 @@ from pathways_nb.worker import signature
 
 CLIENT_PROGRAM = Path(__file__).with_name("compat_client.py")
 PY312 = os.environ.get("PATHWAYS_PY312_PYTHON")
+PY312_JAX = "0.12.0.1"  # the jax of that Python (make test's .venv-py312)
 MAKE_HINT = "make test builds it (make compat-venvs)"
+PY312_HINT = "install python3.12 (or pass PYTHON312=/path/to/python3.12), then make test builds it"
 # Client jax version -> the Python that has it (None: not built here).
 CLIENTS = {
     "0.7.2": os.environ.get("PATHWAYS_OLD_CLIENT_PYTHON"),
     "0.9.2": os.environ.get("PATHWAYS_JAX09_PYTHON"),
     jax.__version__: sys.executable,
-    "0.12.0.1": PY312,
+    PY312_JAX: PY312,
 }
-SERVERS = {jax.__version__: sys.executable, "0.12.0.1": PY312}
+SERVERS = {jax.__version__: sys.executable, PY312_JAX: PY312}
 MODES = ("proxy", "cluster")
 PROGRAMS = (
     "jit multiple_outputs scan grad sharded_put_1d sharded_put_2d sharded_jit_reduction donation bf16 "
@@ -120,17 +122,17 @@ def server_address(request):
         server.close()
 
 
-def _needs(python: str | None, what: str) -> None:
+def _needs(python: str | None, what: str, version: str) -> None:
     if not python:
-        pytest.skip(f"no Python with {what}: {MAKE_HINT}")
+        pytest.skip(f"no Python with {what}: {PY312_HINT if version == PY312_JAX else MAKE_HINT}")
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("client", CLIENTS)
 @pytest.mark.parametrize("server", SERVERS)
 def test_client_runs_ordinary_programs(server, client, mode, server_address, tmp_path):
-    _needs(SERVERS[server], f"jaxlib {server} for the server")
-    _needs(CLIENTS[client], f"jax {client} for the client")
+    _needs(SERVERS[server], f"jaxlib {server} for the server", server)
+    _needs(CLIENTS[client], f"jax {client} for the client", client)
     result = subprocess.run(
         [CLIENTS[client], str(CLIENT_PROGRAM), server_address(server, mode)],
         env=_env(),
@@ -150,7 +152,7 @@ def test_client_runs_ordinary_programs(server, client, mode, server_address, tmp
 
 def test_named_shardings_match_jax_0_12():
     """The named-sharding reader against jax 0.12's own NamedSharding, in the Python 3.12 venv."""
-    _needs(PY312, "jax 0.12")
+    _needs(PY312, "jax 0.12", PY312_JAX)
     tests = Path(__file__).parent
     result = subprocess.run(
         [PY312, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests / "test_named_op_sharding.py")],

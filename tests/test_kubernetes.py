@@ -494,10 +494,25 @@ pathways_nb.disconnect()
 """
 
 
-def run_client(proxy: Pod, token: str, islands: str) -> dict:
+# One program over every device of an island of several hosts: each host runs its part, psum across them.
+ISLAND_CLIENT = """
+import json, sys
+import jax, numpy as np
+import pathways_nb
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+pathways_nb.connect(sys.argv[1], timeout_s=60, progress=False)
+x = jax.device_put(np.arange(8, dtype=np.float32), NamedSharding(Mesh(np.array(jax.devices()), ("x",)), P("x")))
+total = float(jax.jit(lambda v: (v * v).sum())(x))
+print(json.dumps({"hosts": sorted({d.host_index for d in jax.devices()}), "results": total}))
+pathways_nb.disconnect()
+"""
+
+
+def run_client(proxy: Pod, token: str, islands: str, program: str = CLIENT) -> dict:
     address = f"grpc://127.0.0.1:{proxy.ports[kubernetes.PROXY_PORT]}"
     # As docs/kubernetes.md says: the token from the Secret, for the cluster's views.
-    client = python_process(CLIENT, address, islands, env={"PATHWAYS_CLUSTER_TOKEN": token})
+    client = python_process(program, address, islands, env={"PATHWAYS_CLUSTER_TOKEN": token})
     out, err = client.communicate(timeout=180)
     assert client.returncode == 0, err[-3000:]
     return json.loads(out.strip().splitlines()[-1])
@@ -526,11 +541,13 @@ def test_the_pods_run_here_and_serve_jax(tmp_path):
         assert run_client(proxy, token, "1") == {"devices": 8, "results": {"1": 140.0}}
 
 
-def test_hosts_of_a_multi_host_island_register(tmp_path):
-    """1 island of 2 hosts: the resource manager accepts both hosts (programs on such islands are not supported yet)."""
+def test_an_island_of_two_hosts_registers_and_runs_one_program_across_them(tmp_path):
+    """1 island of 2 hosts: the resource manager accepts both hosts, and a sharded jit runs on all 4 devices."""
     objects = load_objects(
         deploy(tmp_path / "k8s", "--islands", "1", "--hosts-per-island", "2", "--devices-per-host", "2")
     )
     with running(objects, tmp_path / "secrets") as pods:
         workers = wait_for_workers(pods, token_of(objects), {(0, 0), (0, 1)})
         assert sorted(list(w.device_ids) for w in workers) == [[0, 1], [2, 3]]
+        (proxy,) = [p for p in pods if p.replicated_job == "proxy"]
+        assert run_client(proxy, token_of(objects), "0", ISLAND_CLIENT) == {"hosts": [0, 1], "results": 140.0}

@@ -46,6 +46,12 @@ def test_help_and_misuse(kernel):
     assert "invalid choice: 'bogus'" in out["stderr"] + out["stdout"]
 
 
+def test_a_comment_after_a_magic_is_not_an_argument(kernel):
+    assert "%pathways connect ADDRESS" in kernel.run("%pathways help   # lists the subcommands")["stdout"]
+    out = kernel.run("%pathways connect grpc://127.0.0.1:1 --timeout 2  # or: %pathways connect local")
+    assert "could not connect to a Pathways proxy at grpc://127.0.0.1:1 within 2 s" in out["stderr"] + out["stdout"]
+
+
 def test_connect_to_nothing_fails_in_one_line(kernel):
     out = kernel.run("%pathways connect grpc://127.0.0.1:1 --timeout 2")
     text = (out["stderr"] + out["stdout"]).strip()

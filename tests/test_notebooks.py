@@ -97,15 +97,13 @@ def test_sharing_shows_tenants_the_queue_and_skips_weights(kernel_installed):
     assert "dave: connected" in weights
 
 
-def test_multihost_runs_or_skips_every_cell_with_a_note(kernel_installed):
-    _, cells = _execute("multihost")
-    first = _outputs(cells[0])
-    if "skipped" in first:
-        assert "not supported yet" in first
-        assert all("skipped: multi-host islands do not exist yet" in _outputs(c) for c in cells)
-    else:
-        text = "".join(_outputs(c) for c in cells)
-        assert "shards on hosts: [0, 1]" in text and "loss:" in text
+def test_multihost_runs_one_program_across_both_hosts(kernel_installed):
+    notebook, cells = _execute("multihost")
+    assert "[(0, 0, 0), (1, 0, 0), (2, 0, 1), (3, 0, 1)]" in _outputs(_cell(cells, "session = pathways_nb.connect"))
+    (island_map,) = _widget_html(notebook, _cell(cells, "from pathways_nb.notebook.widgets import IslandMap"))
+    assert 'data-host="0"' in island_map and 'data-host="1"' in island_map
+    text = "".join(_outputs(c) for c in cells)
+    assert "shards on hosts: [0, 1]" in text and "loss:" in text
 
 
 def test_failures_kill_a_worker_see_the_error_and_bring_it_back(kernel_installed):

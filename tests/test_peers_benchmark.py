@@ -25,7 +25,7 @@ def test_a_quick_local_run_prints_the_tables_and_writes_the_plot_and_names_a_mis
         [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=240, cwd=BENCHMARKS
     )
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "Ray (actor): skipped: ray not installed (pip install 'pathways-nb[bench]')" in run.stdout
+    assert 'Ray (actor): skipped: ray not installed (pip install -e ".[bench]" in the checkout)' in run.stdout
     assert "| figure | local JAX |" in run.stdout
     for row in ["| chained tiny programs (programs/s) |", "| 64 MiB host -> device |", "| ~10 ms compute step |"]:
         assert row in run.stdout, run.stdout

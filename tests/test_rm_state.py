@@ -89,6 +89,18 @@ def test_workers_that_do_not_fit_are_refused():
         registry.register(pb.RegisterWorkerRequest(address="nowhere", devices=[pb.LocalDevice()]))
 
 
+def test_an_instance_type_may_name_the_platform_as_workers_are_told_it():
+    """``--instance_type cuda:1x4`` fits a ``--platform cuda`` worker, whose jaxlib reports its GPUs as ``gpu``."""
+    for name in ("cuda", "rocm", "gpu"):
+        topology = Topology.parse(2, f"{name}:1x4")
+        assert topology.instance_type == "gpu:1x4"
+        topology.check_worker(1, 0, "gpu", 4)
+    with pytest.raises(ValueError, match="the worker's devices are cpu, the cluster's are gpu"):
+        Topology.parse(1, "cuda:1x4").check_worker(0, 0, "cpu", 4)
+    with pytest.raises(ValueError, match="is not PLATFORM:HOSTSxDEVICES"):
+        Topology.parse(1, "cuda:4")
+
+
 def test_free_form_ids_are_handed_out_once_per_device():
     registry = Registry(None, 3.0)
     registry.register(_request(5, devices=2))

@@ -4,9 +4,11 @@ The resource manager, the workers and the proxy's observe API accept a call
 only if it carries ``authorization: Bearer <token>``. The token comes from
 ``--token_file`` (which wins) or the ``PATHWAYS_CLUSTER_TOKEN`` environment
 variable; ``pathways-nb up`` and ``LocalCluster`` make one and hand it to
-their children. Two services stay open: gRPC health checks, and the IFRT
-proxy service, whose stock client cannot send a token (it is reached through
-a tunnel: ``ssh -L`` or ``kubectl port-forward``).
+their children. Three things stay open (``OPEN_METHOD_PREFIXES``): gRPC health
+checks; the IFRT proxy service, whose stock client cannot send a token (it is
+reached through a tunnel: ``ssh -L`` or ``kubectl port-forward``); and the
+proxy's host probe ``Observe/GetHost``, which only says whether a caller shares
+its host.
 
 A server with no token refuses to listen beyond loopback: anyone who reaches
 it could register workers, take devices or end sessions.

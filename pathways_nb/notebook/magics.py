@@ -15,6 +15,7 @@ raise ``UsageError`` with one line that says what to do.
 from __future__ import annotations
 
 import argparse
+import itertools
 import shlex
 
 from IPython.core.error import UsageError
@@ -38,6 +39,15 @@ class _Parser(argparse.ArgumentParser):
         if message:
             raise UsageError(message.strip())
         raise UsageError("%pathways help")
+
+
+def _words(line: str) -> list[str]:
+    """The line's words (``shlex``); a word that starts with ``#`` begins a comment, as in a shell.
+
+    IPython hands a line magic the rest of its line, comment included
+    (``%pathways islands   # who holds which device``).
+    """
+    return list(itertools.takewhile(lambda word: not word.startswith("#"), shlex.split(line)))
 
 
 def _parser() -> _Parser:
@@ -85,7 +95,7 @@ class PathwaysMagics(Magics):
     @line_magic
     def pathways(self, line: str):
         """Connect to a Pathways cluster and look at it; ``%pathways help`` lists the subcommands."""
-        args = _parser().parse_args(shlex.split(line))
+        args = _parser().parse_args(_words(line))
         command = args.command or "help"
         try:
             return getattr(self, f"_{command}")(args)

@@ -1,9 +1,10 @@
 """What a cluster is meant to look like: ``--instance_count`` islands of ``--instance_type``.
 
 ``cpu:2x4`` means islands of 2 hosts with 4 CPU devices each, as Pathways'
-``--instance_type`` names a slice's shape. Device ids follow from it, so they
-stay the same when a worker restarts: island i, host h, local device d has id
-``(i * hosts + h) * devices + d``.
+``--instance_type`` names a slice's shape. The platform is the one workers'
+devices report, jaxlib's name: ``gpu`` for CUDA and ROCm (``cuda`` and ``rocm``
+are read as ``gpu``). Device ids follow from it, so they stay the same when a
+worker restarts: island i, host h, local device d has id ``(i * hosts + h) * devices + d``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import re
 from dataclasses import dataclass
 
 _INSTANCE_TYPE = re.compile(r"^(?P<platform>[a-z][a-z0-9_]*):(?P<hosts>\d+)x(?P<devices>\d+)$")
+# Workers are told JAX's platform names (``--platform cuda``); their devices report jaxlib's (``gpu``).
+JAXLIB_PLATFORM = {"cuda": "gpu", "rocm": "gpu"}
 
 
 @dataclass(frozen=True)
@@ -29,7 +32,8 @@ class Topology:
                 f"--instance_type {instance_type!r} is not PLATFORM:HOSTSxDEVICES, e.g. cpu:1x4 "
                 "(islands of 1 host with 4 devices)"
             )
-        topology = cls(instance_count, match["platform"], int(match["hosts"]), int(match["devices"]))
+        platform = JAXLIB_PLATFORM.get(match["platform"], match["platform"])
+        topology = cls(instance_count, platform, int(match["hosts"]), int(match["devices"]))
         if min(topology.islands, topology.hosts_per_island, topology.devices_per_host) < 1:
             raise ValueError(f"--instance_count {instance_count} --instance_type {instance_type}: sizes must be >= 1")
         return topology

@@ -1,0 +1,1 @@
+"""Used by both sides: dataflow, events, shared memory, security, session options."""

@@ -1,0 +1,1 @@
+"""Starting a cluster on one machine: ``LocalCluster`` and the supervision of its child processes."""

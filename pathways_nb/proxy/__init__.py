@@ -1,0 +1,1 @@
+"""The proxy server: the IFRT proxy protocol, sessions, the cluster runtime."""

@@ -1,0 +1,1 @@
+"""Each worker (one per host): devices, arrays, programs, transfers."""
