@@ -16,7 +16,7 @@ from pathways_nb.core.security import TOKEN_ENV
 from pathways_nb.launch.local_cluster import LocalCluster
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
-from pathways_nb.testing import python_process
+from pathways_nb.testing import finished_ok, python_process
 
 
 @pytest.fixture(scope="module")
@@ -24,12 +24,6 @@ def island_cluster():
     """A cluster of its own: these tests kill workers and hold devices exclusively."""
     with LocalCluster(islands=2, devices_per_host=2) as cluster:
         yield cluster
-
-
-def _finish(process: subprocess.Popen, timeout_s: float = 180) -> str:
-    out, err = process.communicate(timeout=timeout_s)
-    assert process.returncode == 0, f"client failed:\n{out}\n{err[-4000:]}"
-    return out
 
 
 PIPELINE = """
@@ -56,7 +50,7 @@ PIPELINE = """
 
 
 def test_two_stage_pipeline_across_islands(island_cluster):
-    result = json.loads(_finish(python_process(PIPELINE, island_cluster.address)))
+    result = json.loads(finished_ok(python_process(PIPELINE, island_cluster.address)))
     assert result["islands"] == [1]
     assert result["max_error"] == 0.0
 
@@ -76,7 +70,7 @@ CLIENT = """
 
 def test_two_clients_at_once(island_cluster):
     clients = [python_process(CLIENT, island_cluster.address, f"tenant-{i}") for i in range(2)]
-    outputs = [_finish(client).split() for client in clients]
+    outputs = [finished_ok(client).split() for client in clients]
     assert outputs == [["4", "tenant-0"], ["4", "tenant-1"]]
 
 
@@ -114,14 +108,14 @@ def test_exclusive_use_queues_others_and_times_out(island_cluster):
             queued = [q for q in island_cluster.state().queue if q.tenant == "bob"]
             time.sleep(0.1)
         assert queued and "held by alice (exclusive)" in queued[0].waiting.reason
-        seconds, message = _finish(waiter).split(" ", 1)
+        seconds, message = finished_ok(waiter).split(" ", 1)
         assert 2 <= int(seconds) <= 30
         assert "alice (exclusive)" in message and "exclusive" in message
         # Disconnecting releases the devices, although alice still holds an array.
         holder.stdin.write("\n")
         holder.stdin.flush()
         assert holder.stdout.readline().strip() == "released"
-        assert _finish(python_process(WAIT, island_cluster.address)).strip() == "connected"
+        assert finished_ok(python_process(WAIT, island_cluster.address)).strip() == "connected"
     finally:
         holder.communicate("\n", timeout=60)
     assert not island_cluster.state().allocations
@@ -204,7 +198,7 @@ def test_malformed_messages_to_resource_manager_and_worker(island_cluster):
         reply = next(replies).replies[0]
         assert reply.error.code == grpc.StatusCode.NOT_FOUND.value[0] and "12345" in reply.error.message
         replies.cancel()
-    assert _finish(python_process(CLIENT, island_cluster.address, "after-bad-messages")).split()[0] == "4"
+    assert finished_ok(python_process(CLIENT, island_cluster.address, "after-bad-messages")).split()[0] == "4"
 
 
 def test_malformed_messages_to_observe_api(island_cluster):

@@ -15,7 +15,6 @@ import itertools
 import json
 import os
 import signal
-import subprocess
 import threading
 import time
 
@@ -36,7 +35,7 @@ from pathways_nb.proxy.cluster_runtime import ClusterRuntime
 from pathways_nb.proxy.worker_link import WorkerLost
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
-from pathways_nb.testing import python_process
+from pathways_nb.testing import finished_ok, python_process
 
 SHARED, GRPC = "shared memory", "gRPC"
 
@@ -71,12 +70,6 @@ def proxy(cluster):
 
 def _link(session, device_id: int):
     return session._link(session._device(device_id))
-
-
-def _finish(process: subprocess.Popen, timeout_s: float = 240) -> str:
-    out, err = process.communicate(timeout=timeout_s)
-    assert process.returncode == 0, f"client failed:\n{out}\n{err[-4000:]}"
-    return out
 
 
 ROUND_TRIPS = """
@@ -117,7 +110,7 @@ ROUND_TRIPS = """
 
 
 def test_client_round_trips_are_bitwise_equal(cluster):
-    result = json.loads(_finish(python_process(ROUND_TRIPS, cluster.address)))
+    result = json.loads(finished_ok(python_process(ROUND_TRIPS, cluster.address)))
     assert result["mismatches"] == []
     # Every copy between islands went the cluster's way, as its source worker reports it.
     observer = Observer(cluster.address, cluster.token)

@@ -14,7 +14,7 @@ import os
 import signal
 
 from pathways_nb.launch.local_cluster import LocalCluster
-from pathways_nb.testing import python_process
+from pathways_nb.testing import finish, python_process
 
 TRAINING = """
     import json, sys, jax, jax.numpy as jnp, numpy as np, pathways_nb
@@ -61,7 +61,7 @@ def test_elastic_manager_trains_through_a_worker_death():
             os.kill(cluster.workers[(1, 0)].process.pid, signal.SIGKILL)
             client.stdin.write("\n")
             client.stdin.flush()
-            out, err = client.communicate(timeout=180)
+            out, err = finish(client, 180)
         finally:
             client.kill()
         assert client.returncode == 0, err[-4000:]

@@ -20,6 +20,7 @@ from collections.abc import Collection, Iterator
 
 import grpc
 
+from pathways_nb.core.exit_status import exit_description
 from pathways_nb.launch.processes import ChildServer
 from pathways_nb.protocol import schema
 
@@ -185,6 +186,28 @@ def python_process(code: str, *args: str, env: dict[str, str] | None = None) -> 
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def finish(process: subprocess.Popen, timeout_s: float = 180.0) -> tuple:
+    """``process.communicate()`` within ``timeout_s``; past it, the process is killed and the error shows
+    the end of its stderr (what a hung client was doing is the first thing to know)."""
+    try:
+        return process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        _out, err = process.communicate()
+        err = err.decode(errors="replace") if isinstance(err, bytes) else (err or "")
+        raise TimeoutError(
+            f"the process did not finish within {timeout_s:g} s; the end of its stderr:\n{err[-6000:]}"
+        ) from None
+
+
+def finished_ok(process: subprocess.Popen, timeout_s: float = 180.0) -> str:
+    """``finish``, then its standard output; an error with its output if it did not exit with status 0."""
+    out, err = finish(process, timeout_s)
+    if process.returncode != 0:
+        raise AssertionError(f"the process {exit_description(process.returncode)}:\n{out}\n{err[-4000:]}")
+    return out
 
 
 class KernelSession:
