@@ -80,8 +80,11 @@ class Programs:
         return record.value
 
     def forget(self, program_id: int) -> None:
+        """Drops a program no one runs any more; work still waiting for its compile fails instead of waiting forever."""
         with self._lock:
             record = self._by_id.pop(program_id, None)
+            if record is not None and not record.ready:
+                record.fail(NotFound(f"program {program_id} was dropped before its compile finished"))
             program = record.value if record is not None else None
             if program is not None and all(r.value is not program for r in self._by_id.values()):
                 for key, cached in list(self._by_content.items()):
