@@ -8,6 +8,7 @@ twice a second, so it never slows the loop it watches.
 
 from __future__ import annotations
 
+import abc
 import html
 import threading
 
@@ -96,12 +97,28 @@ def render_island_map(device_table: pd.DataFrame, mine: set[int], note: str = ""
     )
 
 
-class _View:
-    """A view of a session backed by one HTML widget."""
+class _View(abc.ABC):
+    """A view of a session backed by one HTML widget, made with its first rendering.
+
+    The first rendering travels in the widget's creation message, not in an update after it: a
+    notebook saved right after the cell (nbclient, a kernel under load) keeps what the cell showed.
+    """
 
     def __init__(self, session: Session):
         self.session = session
-        self.widget = ipywidgets.HTML()
+
+    def _show(self) -> None:
+        """Makes the widget, with what ``render`` draws now (subclasses call it once they are ready)."""
+        self.widget = ipywidgets.HTML(value=self.render())
+
+    @abc.abstractmethod
+    def render(self) -> str:
+        """The view's HTML now."""
+
+    def refresh(self) -> _View:
+        """Draws the view again from the session's current state."""
+        self.widget.value = self.render()
+        return self
 
     def _repr_mimebundle_(self, **kwargs):
         return self.widget._repr_mimebundle_(**kwargs)
@@ -112,12 +129,11 @@ class IslandMap(_View):
 
     def __init__(self, session: Session):
         super().__init__(session)
-        self.refresh()
+        self._show()
 
-    def refresh(self) -> IslandMap:
+    def render(self) -> str:
         table = self.session.device_table()
-        self.widget.value = render_island_map(table, {d.id for d in self.session.devices}, self.session._note)
-        return self
+        return render_island_map(table, {d.id for d in self.session.devices}, self.session._note)
 
     def to_pandas(self) -> pd.DataFrame:
         return self.session.device_table()
@@ -128,19 +144,14 @@ class AllocationTable(_View):
 
     def __init__(self, session: Session):
         super().__init__(session)
-        self.refresh()
+        self._show()
 
-    def refresh(self) -> AllocationTable:
+    def render(self) -> str:
         try:
             frame = self.session.allocations()
-            self.widget.value = (
-                frame.to_html(index=False, classes="pw-allocations", border=0)
-                if len(frame)
-                else ("<i>no allocations</i>")
-            )
         except ObserveUnavailable as error:
-            self.widget.value = f"<i>{html.escape(str(error))}</i>"
-        return self
+            return f"<i>{html.escape(str(error))}</i>"
+        return frame.to_html(index=False, classes="pw-allocations", border=0) if len(frame) else "<i>no allocations</i>"
 
     def to_pandas(self) -> pd.DataFrame:
         return self.session.allocations()
@@ -165,7 +176,7 @@ class TimelineView(_View):
         self._events = session.observer.events(session.tenant)[-keep:]
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.refresh()
+        self._show()
         if live:
             self.start()
 
@@ -174,10 +185,9 @@ class TimelineView(_View):
         timeline = Timeline(self._events, self._labels)
         return timeline.last(self.last) if self.last else timeline
 
-    def refresh(self) -> TimelineView:
-        self.widget.value = self.timeline.svg()
+    def render(self) -> str:
         self.renders += 1
-        return self
+        return self.timeline.svg()
 
     def start(self) -> None:
         """Follows new events in the background until ``stop()`` (or the session ends)."""
