@@ -142,6 +142,8 @@ class SessionView:
     hosts: tuple[SessionHost, ...]
     # Whether the proxy itself is the only host (the single-process server): no separate proxy part.
     proxy_is_host: bool
+    # The session's ``runtime_api.DeviceSession``, for kinds that use the proxy's own services.
+    runtime: Any = None
 
     @property
     def default_device_id(self) -> int:

@@ -41,7 +41,7 @@ def session_view(session) -> nonxla.SessionView:
         by_host.setdefault(place, []).append(device.id)
     hosts = tuple(nonxla.SessionHost(island, host, tuple(ids)) for (island, host), ids in sorted(by_host.items()))
     return nonxla.SessionView(
-        session.session_id, session.tenant, session.device_ids, hosts, session.runtime.proxy_is_host
+        session.session_id, session.tenant, session.device_ids, hosts, session.runtime.proxy_is_host, session.runtime
     )
 
 
