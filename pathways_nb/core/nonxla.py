@@ -84,12 +84,14 @@ class Execution:
     """One execution of a planned program, as the proxy starts it.
 
     ``request``: what each host's half gets. ``on_proxy``: blocking work of the proxy's own, run off
-    its event loop beside the hosts (e.g. tracing the proxy itself). ``finished(error)``: called
-    once every host (and ``on_proxy``) is done, ``error`` None on success.
+    its event loop before the hosts' (e.g. tracing the proxy itself). ``undo``: a request that
+    undoes the execution where it succeeded, sent to every host if it failed on one (errors ignored).
+    ``finished(error)``: called once every host (and ``on_proxy``) is done, ``error`` None on success.
     """
 
     request: bytes
     on_proxy: Callable[[], None] | None = None
+    undo: bytes | None = None
     finished: Callable[[RequestError | None], None] | None = None
 
 
