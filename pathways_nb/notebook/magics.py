@@ -202,16 +202,16 @@ class PathwaysMagics(Magics):
         )
 
     def _profile(self, args, cell: str):
-        """Runs the cell inside ``pathways_nb.profile``, then shows what the devices did."""
+        """Runs the cell inside ``pathways_nb.profile``; its result (the ``Profile``) shows what the devices did."""
         self._session()
         with pathways_nb.profile(
             args.logdir, hosts=args.hosts, include_servers=not args.no_servers, python_tracer=args.python
         ) as run:
             result = self.shell.run_cell(cell)
-        display(run)
         print(f"{len(run.files)} trace files in {run.directory}\nPerfetto: {run.perfetto}\nXProf: {run.xprof_command}")
         if not result.success:
             result.raise_error()
+        return run  # shown as the cell's result; ``_.trace`` is what the devices did
 
 
 def load(ipython) -> None:
