@@ -158,11 +158,17 @@ def execute(session, loaded: NonXlaProgram, request, op_id):
         failed(failed_input)
     else:
         session.after(inputs, lambda: session.in_background(run, done), outputs=outputs, on_error=failed)
+    return execute_response(session, request, status, output_handles, outputs)
+
+
+def execute_response(session, request, status: Pending | None, handles: list[int], outputs: list[ArrayRecord]):
+    """The reply to an execute (of any program): its status handle, and the output specs if the server chose the
+    handles (the client's first execute of an executable; it caches them for the later ones)."""
     response = session.messages.proxy.LoadedExecutableExecuteResponse()
     if status is not None:
         response.status_handle = session.add_future(status, request.result_status_handle or None)
-    if not client_handles:
-        for handle, record in zip(output_handles, outputs, strict=True):
+    if not request.result_array_handle:
+        for handle, record in zip(handles, outputs, strict=True):
             out = response.outputs.add(array_handle=handle)
             out.dtype.kind = record.kind
             out.shape.dims.extend(record.shape)
