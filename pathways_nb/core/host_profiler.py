@@ -65,6 +65,10 @@ class ProcessProfiler:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        # Held across every call into jaxlib's profiler, and taken before a stop lets go of ``_lock``:
+        # a new session must never start while the previous one is still stopping (jaxlib then fails
+        # the stop with "Another profiling session active", and its tracers overlap).
+        self._jaxlib = threading.Lock()
         self._trace: _Trace | None = None
         # Traces that stopped by themselves (their longest duration ran out): id -> what was written.
         self._ended: dict[str, Written | BaseException] = {}
@@ -84,7 +88,9 @@ class ProcessProfiler:
                     f"a trace is already running on {name} (taken by {self._trace.owner} since {since}); "
                     "one trace at a time: stop it first (jax.profiler.stop_trace())"
                 )
-            trace = _Trace(trace_id, owner, time.time(), _profiler_session(options), write)
+            with self._jaxlib:
+                session = _profiler_session(options)
+            trace = _Trace(trace_id, owner, time.time(), session, write)
             if options.max_duration_s > 0:
                 trace.timer = threading.Timer(options.max_duration_s, self._stop_by_itself, (trace_id,))
                 trace.timer.daemon = True
@@ -107,10 +113,13 @@ class ProcessProfiler:
                     raise ended
                 return ended
             self._trace = None
-        if trace.timer is not None:
-            trace.timer.cancel()
+            self._jaxlib.acquire()
         started = time.monotonic()
-        written = trace.write(trace.session.stop())
+        try:
+            xspace = self._stop_session(trace)
+        finally:
+            self._jaxlib.release()
+        written = trace.write(xspace)
         return Written(written.path, written.nbytes, time.monotonic() - started, written.xspace)
 
     def abort(self, trace_id: str) -> None:
@@ -121,9 +130,18 @@ class ProcessProfiler:
             if trace is None or trace.trace_id != trace_id:
                 return
             self._trace = None
+            self._jaxlib.acquire()
+        try:
+            self._stop_session(trace)
+        finally:
+            self._jaxlib.release()
+
+    @staticmethod
+    def _stop_session(trace: _Trace) -> bytes:
+        """Stops jaxlib's session (with ``_jaxlib`` held); its timer, if any, will find nothing to stop."""
         if trace.timer is not None:
             trace.timer.cancel()
-        trace.session.stop()
+        return trace.session.stop()
 
     def _stop_by_itself(self, trace_id: str) -> None:
         with self._lock:
@@ -131,8 +149,13 @@ class ProcessProfiler:
             if trace is None or trace.trace_id != trace_id:
                 return
             self._trace = None
+            self._jaxlib.acquire()
         try:
-            self._ended[trace_id] = trace.write(trace.session.stop())
+            try:
+                xspace = self._stop_session(trace)
+            finally:
+                self._jaxlib.release()
+            self._ended[trace_id] = trace.write(xspace)
         except Exception as error:
             _LOGGER.exception("writing the trace %s after its longest duration failed", trace_id)
             self._ended[trace_id] = error
