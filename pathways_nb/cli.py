@@ -18,16 +18,21 @@ from pathways_nb.core import security
 
 
 def _serve_proxy(args: argparse.Namespace) -> int:
+    from pathways_nb.core.storage import StorageRoot
     from pathways_nb.proxy.context import ProxyLimits
     from pathways_nb.proxy.server import ProxyServer
 
     started = time.monotonic()
     credentials = security.ClusterCredentials.from_args(args)
+    storage = StorageRoot(args.storage_root)
     if args.resource_manager_address:
         from pathways_nb.proxy.cluster_runtime import ClusterRuntime
 
         runtime = ClusterRuntime(
-            args.resource_manager_address, allocation_timeout_s=args.allocation_timeout, credentials=credentials
+            args.resource_manager_address,
+            allocation_timeout_s=args.allocation_timeout,
+            credentials=credentials,
+            storage=storage,
         )
         serving = f"the cluster of {args.resource_manager_address}"
         serving_cpu = True  # the proxy cannot see its workers' memory; their CPU devices are the default
@@ -36,7 +41,7 @@ def _serve_proxy(args: argparse.Namespace) -> int:
         from pathways_nb.worker.runtime import LocalRuntime
 
         devices = LocalRuntime(args.platform, args.devices)
-        runtime = LocalProxyRuntime(devices)
+        runtime = LocalProxyRuntime(devices, storage)
         serving = f"{len(devices.devices)} {devices.platform} device(s)"
         serving_cpu = devices.platform == "cpu"
     limits = ProxyLimits(
@@ -77,6 +82,7 @@ def _serve_resource_manager(args: argparse.Namespace) -> int:
 
 
 def _serve_worker(args: argparse.Namespace) -> int:
+    from pathways_nb.core.storage import StorageRoot
     from pathways_nb.worker.island import IslandMembership
     from pathways_nb.worker.runtime import LocalRuntime
     from pathways_nb.worker.server import WorkerServer
@@ -98,6 +104,7 @@ def _serve_worker(args: argparse.Namespace) -> int:
         host=args.host,
         advertise_address=args.advertise_address,
         credentials=security.ClusterCredentials.from_args(args),
+        storage=StorageRoot(args.storage_root),
     )
     message = (
         f"pathways-nb worker {server.registration.worker_id} at {server.address} with "
@@ -119,6 +126,7 @@ def _up(args: argparse.Namespace) -> int:
         port=args.port,
         platform=args.platform,
         token=security.ClusterCredentials.from_args(args).token,
+        storage_root=args.storage_root,
     )
     token_directory = None
     token_file = args.token_file
@@ -134,6 +142,7 @@ def _up(args: argparse.Namespace) -> int:
         f"  connect with: pathways_nb.connect({cluster.address!r})\n"
         f"  or: JAX_PLATFORMS=proxy JAX_BACKEND_TARGET={cluster.address} python ...\n"
         f"  the cluster views need its token: export {security.TOKEN_ENV}=$(cat {token_file})\n"
+        f"  profiles and checkpoints (gs://BUCKET/PATH) are written under {cluster.storage_root}\n"
         "  Ctrl-C stops it.",
         flush=True,
     )
@@ -191,6 +200,17 @@ def _serve(server, message: str, started: float, port_file: str | None) -> int:
 DEVICES_HELP = "number of CPU devices to create (default: JAX's, 1); accelerators always serve all of theirs"
 
 
+def _add_storage_root(parser: argparse.ArgumentParser, what: str) -> None:
+    from pathways_nb.core.storage import default_root
+
+    parser.add_argument(
+        "--storage_root",
+        default=str(default_root()),
+        help=f"directory {what} under; a client's gs://BUCKET/PATH is BUCKET/PATH there, and nothing is "
+        "written outside it (default: %(default)s)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pathways-nb", description="Run JAX on a Pathways-style cluster.")
     parser.add_argument("--version", action="version", version=f"pathways-nb {__version__}")
@@ -228,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
         "0: no limit",
     )
     proxy.add_argument("--port_file", default=None, help="write the bound port to this file once serving")
+    _add_storage_root(proxy, "the proxy writes its own profiles (and, without a cluster, its devices' ones)")
     proxy.add_argument(
         "--resource_manager_address",
         default=None,
@@ -283,6 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--devices", type=int, default=None, help=DEVICES_HELP)
     worker.add_argument("--platform", default="cpu", help="local platform: cpu, cuda, rocm, tpu, or auto")
     worker.add_argument("--port_file", default=None, help="write the bound port to this file once serving")
+    _add_storage_root(worker, "the worker writes profiles and checkpoints that clients ask for")
     security.add_arguments(worker, serve_tls=True, call_tls=True)
     worker.set_defaults(run=_serve_worker)
 
@@ -292,6 +314,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--devices-per-host", dest="devices_per_host", type=int, default=4, help="devices per host")
     up.add_argument("--port", type=int, default=29000, help="the proxy's port; 0 picks a free one")
     up.add_argument("--platform", default="cpu", help="the workers' platform")
+    up.add_argument(
+        "--storage_root",
+        default=None,
+        help="directory the workers and the proxy write profiles and checkpoints under (gs://BUCKET/PATH is "
+        "BUCKET/PATH there); default: storage/ in the cluster's directory, kept if anything was written",
+    )
     security.add_arguments(up, serve_tls=False, call_tls=False)
     up.set_defaults(run=_up)
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 
+from pathways_nb.core import nonxla
 from pathways_nb.core.convert import program_from_proto
 from pathways_nb.core.events import EventSink
 from pathways_nb.core.runtime_api import (
@@ -29,6 +30,7 @@ from pathways_nb.core.runtime_api import (
 )
 from pathways_nb.core.security import ClusterCredentials
 from pathways_nb.core.session_options import SECRET, SessionOptions
+from pathways_nb.core.storage import StorageRoot, default_root
 from pathways_nb.protocol.errors import (
     DeadlineExceeded,
     InvalidRequest,
@@ -58,9 +60,15 @@ class ClusterRuntime:
     """A cluster reached through its resource manager at ``rm_address``."""
 
     def __init__(
-        self, rm_address: str, allocation_timeout_s: float = 60.0, credentials: ClusterCredentials | None = None
+        self,
+        rm_address: str,
+        allocation_timeout_s: float = 60.0,
+        credentials: ClusterCredentials | None = None,
+        storage: StorageRoot | None = None,
     ):
         self.rm_address = rm_address
+        # The proxy's own place, for the parts of non-XLA programs it runs itself (its own profile).
+        self.host = nonxla.HostContext(storage or StorageRoot(default_root()), name="proxy")
         self.allocation_timeout_s = allocation_timeout_s
         self.key = f"proxy-{uuid.uuid4().hex[:8]}"
         self.credentials = credentials or ClusterCredentials()
@@ -318,6 +326,13 @@ class ClusterRuntime:
             link = self.control_link(device)
             for program_id in program_ids:
                 link.send(pb.Command(forget_program=pb.ForgetProgram(program=program_id)))
+
+    def profile_resource_manager(self, control: pb.ProfileControl) -> bytes:
+        """Starts or stops a trace of the resource manager's process; the stop returns it (blocks)."""
+        try:
+            return self._rm.Profile(control, timeout=120).xspace
+        except grpc.RpcError as error:
+            raise _rm_error(error, self.rm_address) from None
 
     def query(self, worker: pb.Device, command: pb.Command, field: str) -> pb.Reply:
         link = self.control_link(worker)
