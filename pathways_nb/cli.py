@@ -18,13 +18,13 @@ from pathways_nb.core import security
 
 
 def _serve_proxy(args: argparse.Namespace) -> int:
-    from pathways_nb.core.storage import StorageRoot
+    from pathways_nb.core.storage import StorageRoot, default_root
     from pathways_nb.proxy.context import ProxyLimits
     from pathways_nb.proxy.server import ProxyServer
 
     started = time.monotonic()
     credentials = security.ClusterCredentials.from_args(args)
-    storage = StorageRoot(args.storage_root)
+    storage = StorageRoot(args.storage_root or default_root())
     if args.resource_manager_address:
         from pathways_nb.proxy.cluster_runtime import ClusterRuntime
 
@@ -82,7 +82,7 @@ def _serve_resource_manager(args: argparse.Namespace) -> int:
 
 
 def _serve_worker(args: argparse.Namespace) -> int:
-    from pathways_nb.core.storage import StorageRoot
+    from pathways_nb.core.storage import StorageRoot, default_root
     from pathways_nb.worker.island import IslandMembership
     from pathways_nb.worker.runtime import LocalRuntime
     from pathways_nb.worker.server import WorkerServer
@@ -104,7 +104,7 @@ def _serve_worker(args: argparse.Namespace) -> int:
         host=args.host,
         advertise_address=args.advertise_address,
         credentials=security.ClusterCredentials.from_args(args),
-        storage=StorageRoot(args.storage_root),
+        storage=StorageRoot(args.storage_root or default_root()),
     )
     message = (
         f"pathways-nb worker {server.registration.worker_id} at {server.address} with "
@@ -201,13 +201,11 @@ DEVICES_HELP = "number of CPU devices to create (default: JAX's, 1); accelerator
 
 
 def _add_storage_root(parser: argparse.ArgumentParser, what: str) -> None:
-    from pathways_nb.core.storage import default_root
-
     parser.add_argument(
         "--storage_root",
-        default=str(default_root()),
+        default=None,
         help=f"directory {what} under; a client's gs://BUCKET/PATH is BUCKET/PATH there, and nothing is "
-        "written outside it (default: %(default)s)",
+        "written outside it (default: $TMPDIR/pathways-nb-$USER/storage)",
     )
 
 
