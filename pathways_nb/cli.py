@@ -88,7 +88,7 @@ def _serve_worker(args: argparse.Namespace) -> int:
         args.hosts_per_island, args.host_index, args.coordinator_address or "", args.host, collectives_host=reachable
     )
     island.check()
-    runtime = LocalRuntime(args.platform, args.devices, island=island)
+    runtime = LocalRuntime(args.platform, args.devices, island=island, colocated_python=args.colocated_python)
     server = WorkerServer(
         runtime,
         args.resource_manager_address,
@@ -119,6 +119,7 @@ def _up(args: argparse.Namespace) -> int:
         port=args.port,
         platform=args.platform,
         token=security.ClusterCredentials.from_args(args).token,
+        colocated_python=args.colocated_python,
     )
     token_directory = None
     token_file = args.token_file
@@ -277,6 +278,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     worker.add_argument("--devices", type=int, default=None, help="number of CPU devices to create (CPU only)")
     worker.add_argument("--platform", default="cpu", help="local platform: cpu, cuda, rocm, tpu, or auto")
+    worker.add_argument(
+        "--colocated_python",
+        action="store_true",
+        help="give each device a CPU device beside it for jax.experimental.colocated_python "
+        "(CPU workers; docs/colocated_python.md)",
+    )
     worker.add_argument("--port_file", default=None, help="write the bound port to this file once serving")
     security.add_arguments(worker, serve_tls=True, call_tls=True)
     worker.set_defaults(run=_serve_worker)
@@ -287,6 +294,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--devices-per-host", dest="devices_per_host", type=int, default=4, help="devices per host")
     up.add_argument("--port", type=int, default=29000, help="the proxy's port; 0 picks a free one")
     up.add_argument("--platform", default="cpu", help="the workers' platform")
+    up.add_argument(
+        "--colocated_python",
+        action="store_true",
+        help="run tenants' jax.experimental.colocated_python beside the devices (docs/colocated_python.md)",
+    )
     security.add_arguments(up, serve_tls=False, call_tls=False)
     up.set_defaults(run=_up)
 

@@ -64,8 +64,11 @@ class LocalCluster:
         platform: str = "cpu",
         start: bool = True,
         token: str | None = None,
+        colocated_python: bool = False,
     ):
         self.spec = ClusterSpec(islands, hosts_per_island, devices_per_host, platform)
+        # User Python beside the devices (jax.experimental.colocated_python): off unless asked for.
+        self.colocated_python = colocated_python
         # The cluster token its internal endpoints require (None: a fresh random one); children get it
         # in their environment, never on their command line.
         self.token = token or generate_token()
@@ -157,6 +160,7 @@ class LocalCluster:
                 "--platform",
                 self.spec.platform,
                 *self._island_flags(island),
+                *(["--colocated_python"] if self.colocated_python else []),
             ],
             env=self._child_env,
         )

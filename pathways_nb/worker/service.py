@@ -276,7 +276,8 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-def local_devices(runtime: LocalRuntime) -> list[pb.LocalDevice]:
+def local_devices(runtime: LocalRuntime, device_ids) -> list[pb.LocalDevice]:
+    """``device_ids`` of ``runtime`` as the worker registers them."""
     return [
         pb.LocalDevice(
             local_id=d.id,
@@ -285,5 +286,5 @@ def local_devices(runtime: LocalRuntime) -> list[pb.LocalDevice]:
             local_hardware_id=d.local_hardware_id,
             debug_string=d.debug_string,
         )
-        for d in runtime.describe_devices([device.id for device in runtime.devices])
+        for d in runtime.describe_devices(device_ids)
     ]
