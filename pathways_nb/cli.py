@@ -98,11 +98,23 @@ def _serve_worker(args: argparse.Namespace) -> int:
         host=args.host,
         advertise_address=args.advertise_address,
         credentials=security.ClusterCredentials.from_args(args),
+        colocated_python_host=args.colocated_python_host,
     )
     message = (
         f"pathways-nb worker {server.registration.worker_id} at {server.address} with "
         f"{len(runtime.devices)} {runtime.platform} device(s) {list(server.registration.device_ids)}"
     )
+    return _serve(server, message, started, args.port_file)
+
+
+def _serve_colocated_host(args: argparse.Namespace) -> int:
+    from pathways_nb.launch.colocated_host import ColocatedHostServer, choose_policy
+
+    started = time.monotonic()
+    policy = choose_policy(args.executor_python, args.executor_uid_base)
+    server = ColocatedHostServer(args.socket, policy, credentials=security.ClusterCredentials.from_args(args))
+    users = "a user of its own each" if policy.separate_users else "this host's user"
+    message = f"pathways-nb colocated host at unix:{args.socket}: executors run as {users}"
     return _serve(server, message, started, args.port_file)
 
 
@@ -120,6 +132,7 @@ def _up(args: argparse.Namespace) -> int:
         platform=args.platform,
         token=security.ClusterCredentials.from_args(args).token,
         colocated_python=args.colocated_python,
+        colocated_python_executable=args.colocated_python_executable,
     )
     token_directory = None
     token_file = args.token_file
@@ -190,6 +203,8 @@ def _serve(server, message: str, started: float, port_file: str | None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from pathways_nb.launch.colocated_host import DEFAULT_UID_BASE
+
     parser = argparse.ArgumentParser(prog="pathways-nb", description="Run JAX on a Pathways-style cluster.")
     parser.add_argument("--version", action="version", version=f"pathways-nb {__version__}")
     common = argparse.ArgumentParser(add_help=False)
@@ -284,9 +299,36 @@ def build_parser() -> argparse.ArgumentParser:
         help="give each device a CPU device beside it for jax.experimental.colocated_python "
         "(CPU workers; docs/colocated_python.md)",
     )
+    worker.add_argument(
+        "--colocated_python_host",
+        default=None,
+        help="unix:PATH of this host's pathways-nb colocated-host, which starts the executors",
+    )
     worker.add_argument("--port_file", default=None, help="write the bound port to this file once serving")
     security.add_arguments(worker, serve_tls=True, call_tls=True)
     worker.set_defaults(run=_serve_worker)
+
+    colocated = commands.add_parser(
+        "colocated-host",
+        parents=[common],
+        help="start and stop the colocated Python executors of this host's worker (beside it)",
+    )
+    colocated.add_argument("--socket", required=True, help="the unix socket to serve on")
+    colocated.add_argument(
+        "--executor_python",
+        default=None,
+        help="the Python interpreter executors run (default: this one); other users must be able to read it "
+        "for executors to run as users of their own",
+    )
+    colocated.add_argument(
+        "--executor_uid_base",
+        type=int,
+        default=DEFAULT_UID_BASE,
+        help="executors run as users from this uid on, one each (when this host runs as root)",
+    )
+    colocated.add_argument("--port_file", default=None, help="write 0 to this file once serving (for launchers)")
+    security.add_arguments(colocated, serve_tls=False, call_tls=False)
+    colocated.set_defaults(run=_serve_colocated_host)
 
     up = commands.add_parser("up", parents=[common], help="start a whole cluster on this machine (Ctrl-C stops it)")
     up.add_argument("--islands", type=int, default=2, help="number of islands")
@@ -298,6 +340,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--colocated_python",
         action="store_true",
         help="run tenants' jax.experimental.colocated_python beside the devices (docs/colocated_python.md)",
+    )
+    up.add_argument(
+        "--colocated_python_executable",
+        default=None,
+        help="the Python interpreter colocated Python executors run (default: this one)",
     )
     security.add_arguments(up, serve_tls=False, call_tls=False)
     up.set_defaults(run=_up)

@@ -21,6 +21,7 @@ from pathways_nb.core.aio_server import BackgroundServer
 from pathways_nb.core.security import ClusterCredentials
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
+from pathways_nb.worker.colocated import ColocatedPython
 from pathways_nb.worker.runtime import LocalRuntime
 from pathways_nb.worker.service import SERVICE_NAME, WorkerService, local_devices
 
@@ -43,6 +44,7 @@ class WorkerServer:
         advertise_address: str | None = None,
         register_timeout_s: float = 60.0,
         credentials: ClusterCredentials | None = None,
+        colocated_python_host: str | None = None,
     ):
         credentials = credentials or ClusterCredentials()
         self.runtime = runtime
@@ -50,7 +52,11 @@ class WorkerServer:
         # This process's identity in the cluster: kept when it registers again with a restarted
         # resource manager (its arrays are still here), new for every new process.
         self.incarnation = 1 + secrets.randbits(62)
-        self.service = WorkerService(runtime, credentials=credentials)
+        colocated = None
+        if colocated_python_host:
+            where = f"island {island} host {host_index}"
+            colocated = ColocatedPython(runtime, colocated_python_host, credentials, where)
+        self.service = WorkerService(runtime, credentials=credentials, colocated=colocated)
         self._server = BackgroundServer(
             lambda server: cluster_pb2_grpc.add_WorkerServicer_to_server(self.service, server),
             [SERVICE_NAME],
@@ -85,6 +91,8 @@ class WorkerServer:
             try:
                 response = self._rm.RegisterWorker(request, timeout=5)
                 _LOGGER.info("registered as %s with devices %s", response.worker_id, list(response.device_ids))
+                if self.service.colocated is not None:
+                    self.service.colocated.registered(response.colocated_device_ids)
                 return response
             except grpc.RpcError as error:
                 if error.code() == grpc.StatusCode.INVALID_ARGUMENT or time.monotonic() > deadline:

@@ -24,6 +24,7 @@ from pathways_nb.core.security import ClusterCredentials
 from pathways_nb.protocol.errors import RequestError, as_request_error
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
+from pathways_nb.worker.colocated import ColocatedPython
 from pathways_nb.worker.gang import IslandOrder
 from pathways_nb.worker.programs import Programs
 from pathways_nb.worker.runtime import LocalRuntime
@@ -99,8 +100,16 @@ class _Replies:
 
 
 class WorkerService(cluster_pb2_grpc.WorkerServicer):
-    def __init__(self, runtime: LocalRuntime, threads: int = 8, credentials: ClusterCredentials | None = None):
+    def __init__(
+        self,
+        runtime: LocalRuntime,
+        threads: int = 8,
+        credentials: ClusterCredentials | None = None,
+        colocated: ColocatedPython | None = None,
+    ):
         self.runtime = runtime
+        # Colocated Python (None: off): the sessions' executors, which the host's supervisor starts.
+        self.colocated = colocated
         self.credentials = credentials or ClusterCredentials()
         self.programs = Programs(runtime)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="pathways-worker")
@@ -177,6 +186,8 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
             reader.cancel()
             self.sessions.pop(key, None)
             session.close()
+            if self.colocated is not None:
+                self.colocated.end_session(key)
             _LOGGER.info("session %s closed", key)
 
     async def PushArray(self, request_iterator, context):
@@ -273,6 +284,8 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
     def close(self) -> None:
         for session in list(self.sessions.values()):
             session.close()
+        if self.colocated is not None:
+            self.colocated.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
