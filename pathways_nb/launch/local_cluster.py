@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import shutil
 import socket
 import tempfile
 import time
@@ -71,7 +72,11 @@ class LocalCluster:
         token: str | None = None,
         colocated_python: bool = False,
         colocated_python_executable: str | None = None,
+        storage_root: str | os.PathLike[str] | None = None,
     ):
+        """``storage_root``: where the workers and the proxy write profiles and checkpoints
+        (``pathways_nb.core.storage``); default ``storage/`` in the cluster's own directory, which is
+        kept after ``close()`` if anything was written there."""
         self.spec = ClusterSpec(islands, hosts_per_island, devices_per_host, platform)
         # User Python beside the devices (jax.experimental.colocated_python): off unless asked for.
         # Each host then gets a colocated host (``pathways-nb colocated-host``) that starts its
@@ -80,6 +85,9 @@ class LocalCluster:
         self.colocated_python_executable = colocated_python_executable
         self.colocated_hosts: dict[tuple[int, int], ChildServer] = {}
         self._colocated_sockets: tempfile.TemporaryDirectory | None = None
+        # The cluster's own directory (its storage root by default).
+        self.directory = tempfile.mkdtemp(prefix="pathways-nb-cluster-")
+        self.storage_root = os.path.abspath(storage_root or os.path.join(self.directory, "storage"))
         # The cluster token its internal endpoints require (None: a fresh random one); children get it
         # in their environment, never on their command line.
         self.token = token or generate_token()
@@ -140,6 +148,8 @@ class LocalCluster:
                     str(self.port),
                     "--resource_manager_address",
                     self.resource_manager.hostport,
+                    "--storage_root",
+                    self.storage_root,
                 ],
                 env=self._child_env,
             )
@@ -172,6 +182,8 @@ class LocalCluster:
                 str(self.spec.devices_per_host),
                 "--platform",
                 self.spec.platform,
+                "--storage_root",
+                self.storage_root,
                 *self._island_flags(island),
                 *self._colocated_flags(island, host),
             ],
@@ -238,8 +250,17 @@ class LocalCluster:
                 child.close()
         if self._colocated_sockets is not None:
             self._colocated_sockets.cleanup()
+        self._remove_directory_if_unused()
         self.status = Status.closed
         _LIVE.discard(self)
+
+    def _remove_directory_if_unused(self) -> None:
+        """Removes the cluster's directory unless something was written to its storage root (kept for the user)."""
+        storage = os.path.join(self.directory, "storage")
+        if os.path.isdir(storage) and any(files for _dir, _subdirs, files in os.walk(storage)):
+            _LOGGER.info("the cluster's storage root %s is kept (it holds what the cluster wrote)", storage)
+            return
+        shutil.rmtree(self.directory, ignore_errors=True)
 
     def __enter__(self) -> LocalCluster:
         return self.start()
