@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from pathways_nb.core import nonxla
+from pathways_nb.core import nonxla, session_options
 from pathways_nb.core.dataflow import ArrayRecord, Pending
 from pathways_nb.protocol.errors import InvalidRequest, RequestError, as_request_error
 from pathways_nb.proxy.dispatch import DEFERRED
@@ -34,14 +34,24 @@ class NonXlaProgram:
 
 def session_view(session) -> nonxla.SessionView:
     """What a kind's proxy half may know of ``session``: its devices grouped by host, its tenant."""
-    devices = session.runtime.describe_devices(session.device_ids)
-    by_host: dict[tuple[int, int], list[int]] = {}
-    for device in devices:
+    colocated = session.runtime.colocated_device_ids
+    by_host: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+    for device in session.runtime.describe_devices(session.device_ids + colocated):
         place = (int(device.attributes.get("slice_index", 0)), int(device.attributes.get("host_index", 0)))
-        by_host.setdefault(place, []).append(device.id)
-    hosts = tuple(nonxla.SessionHost(island, host, tuple(ids)) for (island, host), ids in sorted(by_host.items()))
+        devices, colocated_devices = by_host.setdefault(place, ([], []))
+        (colocated_devices if device.id in colocated else devices).append(device.id)
+    hosts = tuple(
+        nonxla.SessionHost(island, host, tuple(ids), tuple(colocated_ids))
+        for (island, host), (ids, colocated_ids) in sorted(by_host.items())
+    )
     return nonxla.SessionView(
-        session.session_id, session.tenant, session.device_ids, hosts, session.runtime.proxy_is_host
+        session.session_id,
+        session.tenant,
+        session.device_ids,
+        hosts,
+        session.runtime.proxy_is_host,
+        colocated,
+        session_options.read_client_versions(session.init_attributes),
     )
 
 
@@ -119,6 +129,9 @@ def execute(session, loaded: NonXlaProgram, request, op_id):
     status = Pending() if options.fill_status else None
     execution = plan.execution()
     earlier = [record for d in plan.host_device_ids for record in session.latest_work.get(d, ())]
+    if outputs:  # a later program on these devices (of either sort) runs after this one: the session's order
+        for device_id in plan.host_device_ids:
+            session.latest_work[device_id] = outputs
 
     def run() -> list:
         _wait_for(earlier)

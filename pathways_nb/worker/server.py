@@ -57,11 +57,11 @@ class WorkerServer:
         # resource manager (its arrays are still here), new for every new process.
         self.incarnation = 1 + secrets.randbits(62)
         name = f"island{island}-host{host_index}"
-        place = HostContext(storage or StorageRoot(default_root()), island, host_index, name)
         colocated = None
         if colocated_python_host:
             where = f"island {island} host {host_index}"
             colocated = ColocatedPython(runtime, colocated_python_host, credentials, where)
+        place = HostContext(storage or StorageRoot(default_root()), island, host_index, name, colocated=colocated)
         self.service = WorkerService(runtime, credentials=credentials, host=place, colocated=colocated)
         self._server = BackgroundServer(
             lambda server: cluster_pb2_grpc.add_WorkerServicer_to_server(self.service, server),
