@@ -79,15 +79,37 @@ class ColocatedDevices:
         return self._cluster_ids[device.id]
 
     def install(self) -> None:
-        """Makes jax's colocated serialization resolve the cluster's device ids to these devices.
+        """Makes jax's colocated serialization speak the cluster's device ids, both ways.
 
-        jax looks its map up by name at each use (``_unreduce_*``), so replacing the function is
-        enough; the ids a pickled sharding names are the controller's, not this process's.
+        Pickled shardings name devices by id; the controller's ids are the cluster's, not this
+        process's. Unpickling resolves them through jax's CPU device map, and pickling (the output
+        specs a first call returns) reads ``device.id``: both are replaced here. jax looks these
+        functions up by name at each use, so replacing them in its module is enough (Orbax's
+        Pathways patch does the same).
         """
+        import numpy
         from jax.experimental.colocated_python import serialization
 
-        by_cluster_id = self.by_cluster_id
+        by_cluster_id, cluster_id = self.by_cluster_id, self.cluster_id
+
+        @serialization._make_reduce_func_with_common_obj
+        def reduce_mesh(mesh):
+            ids = numpy.vectorize(cluster_id, otypes=[int])(mesh.devices)
+            return serialization._unreduce_mesh, (ids, mesh.axis_names, mesh.axis_types)
+
+        @serialization._make_reduce_func_with_common_obj
+        def reduce_device_list(device_list):
+            return serialization._unreduce_device_list, ([cluster_id(d) for d in device_list],)
+
+        @serialization._make_reduce_func_with_common_obj
+        def reduce_single_device_sharding(sharding):
+            device = next(iter(sharding.device_set))
+            return serialization._unreduce_single_device_sharding, (cluster_id(device), sharding.memory_kind)
+
         serialization._get_cpu_device_map = lambda: by_cluster_id
+        serialization._reduce_mesh = reduce_mesh
+        serialization._reduce_device_list = reduce_device_list
+        serialization._reduce_single_device_sharding = reduce_single_device_sharding
 
 
 @dataclass(frozen=True)
