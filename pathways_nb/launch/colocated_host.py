@@ -247,7 +247,9 @@ class ColocatedHostService(cluster_pb2_grpc.ColocatedHostServicer):
                     cwd=directory,
                     pass_fds=(write,),
                     start_new_session=True,
-                    umask=0o077,
+                    # Files it writes elsewhere (a checkpoint) are readable by a later session's executor, as
+                    # files usually are; its own directory stays closed (0700).
+                    umask=0o022,
                 )
         except BaseException:
             os.close(read)
