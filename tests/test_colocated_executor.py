@@ -31,16 +31,11 @@ from pathways_nb.launch.processes import ChildServer
 from pathways_nb.protocol.errors import RequestError
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
+from pathways_nb.testing import other_users_python
 from pathways_nb.worker.executors import ArrayShards, ColocatedHostLink, ExecutorDied
 
 F32 = 11
 DEADLINE_S = 60
-
-
-def readable_python() -> str | None:
-    """A Python of this version that users other than root can run (this venv's may live in /root)."""
-    candidate = f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"
-    return candidate if os.geteuid() == 0 and os.access(candidate, os.X_OK) else None
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +43,7 @@ def host():
     token = generate_token()
     directory = tempfile.TemporaryDirectory(prefix="pathways-nb-test-colocated-")
     socket_path = os.path.join(directory.name, "host.sock")
-    python = readable_python()
+    python = other_users_python()
     server = ChildServer(
         "colocated-host",
         ["colocated-host", "--socket", socket_path, *(["--executor_python", python] if python else [])],

@@ -11,7 +11,6 @@ import json
 import os
 import pathlib
 import signal
-import sys
 import tempfile
 import time
 
@@ -20,7 +19,7 @@ import psutil
 import pytest
 
 from pathways_nb.launch.local_cluster import LocalCluster
-from pathways_nb.testing import python_process
+from pathways_nb.testing import other_users_python, python_process
 
 CLIENT_TIMEOUT_S = 300
 DEADLINE_S = 60
@@ -37,16 +36,10 @@ cpus = cp.colocated_cpu_devices(jax.devices())
 """
 
 
-def readable_python() -> str | None:
-    """A Python of this version that users other than root can run (this venv's may live in /root)."""
-    candidate = f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"
-    return candidate if os.geteuid() == 0 and os.access(candidate, os.X_OK) else None
-
-
 @pytest.fixture(scope="module")
 def colocated_cluster():
     with LocalCluster(
-        islands=2, devices_per_host=2, colocated_python=True, colocated_python_executable=readable_python()
+        islands=2, devices_per_host=2, colocated_python=True, colocated_python_executable=other_users_python()
     ) as cluster:
         yield cluster
 
@@ -272,7 +265,7 @@ say(fresh=fresh, outcome=outcome, uid=uid, token="PATHWAYS_CLUSTER_TOKEN" in os.
     b = run_client(colocated_cluster, body, "tenant-b", "b", meeting)
     (a,), (b,) = a, b
     assert a["fresh"] == b["fresh"] == 1.0  # neither saw the other's globals
-    if readable_python() is None:
+    if other_users_python() is None:
         pytest.skip("executors share this host's user here: files are not kept apart (docs/colocated_python.md)")
     assert a["uid"] != b["uid"] and 0 not in (a["uid"], b["uid"])
     assert b["outcome"] == 2.0  # PermissionError on tenant a's file
@@ -364,7 +357,7 @@ def test_orbax_pathways_handlers_save_and_restore_through_colocated_python_as_lo
     assert saved["restored"] == expected and saved["shardings_kept"]
     # The arrays' bytes were written beside the devices, by the executor, not by the client.
     owners = {p.stat().st_uid for p in pathlib.Path(path).rglob("*") if p.is_file() and "ocdbt.process" in str(p)}
-    assert owners and (readable_python() is None or 0 not in owners)
+    assert owners and (other_users_python() is None or 0 not in owners)
     # A later session (another executor, another user) restores it.
     (later,) = run_client(colocated_cluster, ORBAX_CLIENT, "tenant-a", path, "restore")
     assert later["restored"] == expected and later["shardings_kept"]

@@ -60,7 +60,10 @@ class ExecutorService(cluster_pb2_grpc.ColocatedExecutorServicer):
                 raise InvalidRequest(f"device {shard.device_id} is not a colocated CPU device of this host")
             host = colocated_arrays.decode(shard, kind, self.directory, map_file=True)
             singles.append(jax.device_put(host, device))
-        return jax.make_array_from_single_device_arrays(shape, spec.sharding, singles)
+        try:
+            return jax.make_array_from_single_device_arrays(shape, spec.sharding, singles)
+        except (ValueError, TypeError) as error:  # shards that do not make the spec's array
+            raise InvalidRequest(f"the input shards do not make a {spec.dtype}{list(shape)} array: {error}") from None
 
     def _message(self, output) -> pb.ColocatedArray:
         """An output's shards on this host, for the worker."""
