@@ -16,6 +16,7 @@ memory is back near where it started.
 from __future__ import annotations
 
 import collections
+import json
 import os
 import random
 import textwrap
@@ -47,18 +48,23 @@ SERVICE_STORE = testing.SERVICE + "HostBufferStore"
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 
 SHARDING_TYPES = (shardings.SINGLE_DEVICE, shardings.HLO, shardings.CONCRETE_EVEN, shardings.OPAQUE)
-CUSTOM_CALL = "xla::ifrt::CustomCallProgram"
+PLUGIN_PROGRAM = "xla::ifrt::PluginProgram"
+CUSTOM_CALL_PROGRAM = "xla::ifrt::CustomCallProgram"
 CUSTOM_CALL_OPTIONS = "xla::ifrt::CustomCallCompileOptions"
 COLOCATED_PYTHON = "jax_colocated_python_v0.0.1"
 TYPE_NAMES = (
     *SHARDING_TYPES,
     "xla::ifrt::XlaProgram",
     "xla::ifrt::XlaCompileOptions",
-    CUSTOM_CALL,
+    PLUGIN_PROGRAM,
+    CUSTOM_CALL_PROGRAM,
+    "xla::ifrt::PluginCompileOptions",
     CUSTOM_CALL_OPTIONS,
     "xla::ifrt::Unknown",
     "",
 )
+# Places a plugin program may name: inside the storage root, outside it, malformed.
+TRACE_LOCATIONS = ("gs://fuzz-bucket/run", "gs://fuzz-bucket/../up", "/etc", "relative", "gs://", "s3://b/p", "")
 MEMORY_KINDS = ("device", "pinned_host", "unpinned_host", "hbm", "")
 DIMS = (0, 1, 2, 3, 4, 8, 1000, 1 << 31, 1 << 40, (1 << 63) - 1, -1, -(1 << 40))
 EDGE_INTS = (0, 1, 2, 3, 7, 255, 1 << 31, (1 << 31) - 1, 1 << 48, (1 << 63) - 1, -1, -(1 << 63))
@@ -274,7 +280,7 @@ class RequestMaker:
             shardings.CONCRETE_EVEN: self.messages.ifrt.ConcreteEvenShardingProto,
             shardings.OPAQUE: self.messages.ifrt.OpaqueShardingProto,
             "xla::ifrt::XlaCompileOptions": self.messages.ifrt.XlaCompileOptionsProto,
-            CUSTOM_CALL: self.messages.ifrt.CustomCallProgramProto,
+            CUSTOM_CALL_PROGRAM: self.messages.ifrt.CustomCallProgramProto,
         }
 
     def request(self, kind: str | None = None):
@@ -331,7 +337,10 @@ class RequestMaker:
         rng = self.rng
         message.type_name = rng.choice(TYPE_NAMES) if rng.random() < 0.9 else self._text()
         payload = self.payloads.get(message.type_name)
-        if payload is not None and rng.random() < 0.85:
+        if message.type_name == PLUGIN_PROGRAM and rng.random() < 0.85:
+            data = self.plugin_program()
+            message.data = _mutate(rng, data) if rng.random() < 0.15 else data
+        elif payload is not None and rng.random() < 0.85:
             body = payload()
             self.fill(body, depth + 1)
             data = body.SerializeToString()
@@ -373,6 +382,39 @@ class RequestMaker:
 
     def _text(self) -> str:
         return "".join(self.rng.choice("abc:_ \u00e9\u4e2d0") for _ in range(self.rng.randint(0, 12)))
+
+    def plugin_program(self) -> bytes:
+        """A plugin program's text: a profileRequest (well-formed or not), another key, or no JSON at all.
+
+        The traces it may start end by themselves within a second (``maxDurationSecs``), so none
+        outlives the run.
+        """
+        rng = self.rng
+        choice = rng.random()
+        if choice < 0.1:
+            return rng.randbytes(rng.choice((0, 8, 64)))
+        if choice < 0.2:
+            return b"__serialized_plugin_program " + rng.randbytes(rng.choice((0, 1, 32)))
+        request = {
+            "traceLocation": rng.choice(TRACE_LOCATIONS),
+            "maxNumHosts": rng.choice((0, 1, 2, -1, "1", 1 << 40)),
+            "includeResourceManagers": rng.choice((True, False, "yes")),
+            "maxDurationSecs": rng.choice((0.2, 1, -1, 1e300, "1")),
+        }
+        if rng.random() < 0.6:
+            request["xprofTraceOptions"] = {
+                "traceSessionName": rng.choice(("s", "", "../x", "a/b", self._text())),
+                "hostTraceLevel": rng.choice((0, 1, 2, 3, 7, -1)),
+                "pwTraceOptions": rng.choice(({}, {"enablePythonTracer": rng.random() < 0.5}, [], None)),
+            }
+        if rng.random() < 0.3:
+            request["devices"] = {"deviceIds": [rng.choice([*self.handles.devices, 99, -1]) for _ in range(2)]}
+        for key in [k for k in request if rng.random() < 0.1]:
+            del request[key]
+        request.setdefault("maxDurationSecs", 1)
+        key = "profileRequest" if rng.random() < 0.85 else rng.choice(("bulk_persistence_write_request", self._text()))
+        body = request if rng.random() < 0.9 else rng.choice(([], 1, None, "x"))
+        return b"__serialized_plugin_program " + json.dumps({key: body}).encode()
 
 
 def _clip(descriptor, value: int) -> int:
@@ -503,7 +545,9 @@ class FuzzSession:
 
     def step(self) -> None:
         r = self.rng.random()
-        if r < 0.62:
+        if r < 0.04:
+            self._plugin_program()
+        elif r < 0.62:
             self.send(*self.maker.request())
         elif r < 0.96:
             self._mutant()
@@ -528,6 +572,18 @@ class FuzzSession:
             # random bytes of generated requests, which it refuses at their header.
             request.compile_request.program.data = parse(original).compile_request.program.data
         self.send(kind, request)
+
+    def _plugin_program(self) -> None:
+        """A plugin program compiled, then executed now and then (random executes reach it too)."""
+        request = self.wire.messages.proxy.IfrtRequest()
+        compile_request = request.compile_request
+        compile_request.program.type_name = PLUGIN_PROGRAM
+        compile_request.program.data = self.maker.plugin_program()
+        compile_request.compile_options.type_name = "xla::ifrt::PluginCompileOptions"
+        self.send("compile_request", request, wait_s=30.0)
+        for _ in range(self.rng.choice((0, 1, 2))):
+            kind, execute = self.maker.request("loaded_executable_execute_request")
+            self.send(kind, execute)
 
     def _host_buffer_call(self) -> None:
         rng = self.rng
@@ -616,12 +672,9 @@ def _program_texts(messages, corpus: list) -> list[bytes]:
         if method != "IfrtSession":
             continue
         request = messages.proxy.IfrtRequest.FromString(data)
-        if (
-            request.WhichOneof("request") == "compile_request"
-            and request.compile_request.program.type_name == CUSTOM_CALL
-        ):
-            program = messages.ifrt.CustomCallProgramProto.FromString(request.compile_request.program.data)
-            texts.append(program.serialized_program_text)
+        program = request.compile_request.program
+        if request.WhichOneof("request") == "compile_request" and program.type_name == CUSTOM_CALL_PROGRAM:
+            texts.append(messages.ifrt.CustomCallProgramProto.FromString(program.data).serialized_program_text)
     return texts
 
 

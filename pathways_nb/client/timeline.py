@@ -25,6 +25,9 @@ COLORS = {
     "upload": "#b279a2",
     "download": "#9d755d",
     "wait": "#bab0ac",
+    # Device spans from a profile (``client.device_trace``): a program's run, and the XLA ops inside it.
+    "program": "#72b7b2",
+    "op": "#e45756",
 }
 COLUMNS = ["kind", "name", "device", "island", "start", "end", "duration_ms", "bytes", "failed", "tenant"]
 

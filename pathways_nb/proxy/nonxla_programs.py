@@ -11,6 +11,7 @@ those hosts' devices has finished, off the event loop; the status resolves when 
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 
@@ -18,6 +19,8 @@ from pathways_nb.core import nonxla, session_options
 from pathways_nb.core.dataflow import ArrayRecord, Pending
 from pathways_nb.protocol.errors import InvalidRequest, RequestError, as_request_error
 from pathways_nb.proxy.dispatch import DEFERRED
+
+_LOGGER = logging.getLogger(__name__)
 
 # How long an execution waits for the session's earlier work on its devices before it runs anyway.
 _EARLIER_WORK_WAIT_S = 600.0
@@ -50,6 +53,7 @@ def session_view(session) -> nonxla.SessionView:
         session.device_ids,
         hosts,
         session.runtime.proxy_is_host,
+        session.runtime,
         colocated,
         session_options.read_client_versions(session.init_attributes),
     )
@@ -137,7 +141,13 @@ def execute(session, loaded: NonXlaProgram, request, op_id):
         _wait_for(earlier)
         if execution.on_proxy is not None:
             execution.on_proxy()
-        return session.runtime.run_program(plan, execution.request, [record.live() for record in inputs])
+        args = [record.live() for record in inputs]
+        try:
+            return session.runtime.run_program(plan, execution.request, args)
+        except RequestError:
+            if execution.undo is not None:
+                _undo(session, plan, execution.undo, args)
+            raise
 
     def done(values, error: RequestError | None) -> None:
         if error is None and len(values) != len(outputs):
@@ -172,6 +182,14 @@ def execute(session, loaded: NonXlaProgram, request, op_id):
             out.shape.dims.extend(record.shape)
             out.sharding.CopyFrom(record.sharding.to_proto())
     return response
+
+
+def _undo(session, plan: nonxla.ProgramPlan, undo: bytes, args: list) -> None:
+    """Undoes a failed execution on the hosts where it succeeded (best effort: the failure is what is reported)."""
+    try:
+        session.runtime.run_program(plan, undo, args)
+    except RequestError as error:
+        _LOGGER.info("undoing a failed %s left an error: %s", plan.name, error.message)
 
 
 def _wait_for(records: list[ArrayRecord]) -> None:
