@@ -189,6 +189,7 @@ def _deploy_k8s(args: argparse.Namespace) -> int:
         image=args.image,
         name=args.name,
         namespace=args.namespace,
+        colocated_python=args.colocated_python,
     )
     for path in write_kubernetes(deployment, args.output):
         print(f"wrote {path}")
@@ -393,6 +394,12 @@ def build_parser() -> argparse.ArgumentParser:
     k8s.add_argument("--image", default=f"pathways-nb:{__version__}", help="the image built from this repository")
     k8s.add_argument("--namespace", default=None, help="Kubernetes namespace (default: kubectl's current one)")
     k8s.add_argument("--name", default="pathways-nb", help="the JobSet's name, which prefixes every object's")
+    k8s.add_argument(
+        "--colocated_python",
+        action="store_true",
+        help="run tenants' jax.experimental.colocated_python beside the devices: each worker pod gets a "
+        "colocated-host sidecar (CPU workers; docs/colocated_python.md)",
+    )
     k8s.add_argument("--output", required=True, help="directory to write the files into")
     k8s.set_defaults(run=_deploy_k8s)
 
