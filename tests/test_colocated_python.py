@@ -234,7 +234,7 @@ say(after=int(np.asarray(pid_or_wait(zero))))
 
 def test_two_tenants_executors_see_neither_each_others_globals_nor_files(colocated_cluster):
     meeting = tempfile.mkdtemp(prefix="pathways-nb-tenants-")
-    os.chmod(meeting, 0o777)  # where each tenant's executor leaves where its files are
+    os.chmod(meeting, 0o777)  # where each tenant's executor says where its files are
     body = """
 role, meeting = sys.argv[4], sys.argv[5]
 
@@ -245,30 +245,37 @@ def visit(x):
     builtins.secret = role
     pathlib.Path("secret.txt").write_text(role)
     pathlib.Path(meeting, role).write_text(os.getcwd())
-    others = [p for p in pathlib.Path(meeting).iterdir() if p.name != role]
     outcome = "none"
-    for other in others:
-        try:
-            pathlib.Path(other.read_text(), "secret.txt").read_text()
-            outcome = "read"
-        except OSError as error:
-            outcome = type(error).__name__
+    for other in pathlib.Path(meeting).iterdir():
+        if other.name != role:
+            try:
+                pathlib.Path(other.read_text(), "secret.txt").read_text()
+                outcome = "read"
+            except OSError as error:
+                outcome = type(error).__name__
     codes = {"none": 0, "read": 1, "PermissionError": 2}
     return jax.device_put(np.array([seen is None, codes.get(outcome, 3), os.getuid()], np.float64), x.sharding)
 
 x = jax.device_put(np.zeros(1, np.float32), cpus[0])
 with jax.enable_x64(True):
     fresh, outcome, uid = np.asarray(visit(x)).tolist()
-say(fresh=fresh, outcome=outcome, uid=uid, token="PATHWAYS_CLUSTER_TOKEN" in os.environ)
+say(fresh=fresh, outcome=outcome, uid=uid)
+sys.stdin.readline()  # the session (and its executor) lives until the test says
 """
-    a = run_client(colocated_cluster, body, "tenant-a", "a", meeting)
-    b = run_client(colocated_cluster, body, "tenant-b", "b", meeting)
-    (a,), (b,) = a, b
-    assert a["fresh"] == b["fresh"] == 1.0  # neither saw the other's globals
+    a = start_client(colocated_cluster, body, "tenant-a", "a", meeting)
+    clients = [a]
+    try:
+        first = json.loads(a.stdout.readline())  # a's executor has written its file, and lives on
+        clients.append(b := start_client(colocated_cluster, body, "tenant-b", "b", meeting))
+        second = json.loads(b.stdout.readline())
+    finally:
+        for process in clients:
+            process.communicate("\n", timeout=CLIENT_TIMEOUT_S)
+    assert first["fresh"] == second["fresh"] == 1.0  # neither saw the other's globals
     if other_users_python() is None:
         pytest.skip("executors share this host's user here: files are not kept apart (docs/colocated_python.md)")
-    assert a["uid"] != b["uid"] and 0 not in (a["uid"], b["uid"])
-    assert b["outcome"] == 2.0  # PermissionError on tenant a's file
+    assert first["uid"] != second["uid"] and 0 not in (first["uid"], second["uid"])
+    assert first["outcome"] == 0.0 and second["outcome"] == 2.0  # b found a's directory and was refused
 
 
 def test_an_executors_environment_has_no_cluster_token_and_its_session_end_stops_it(colocated_cluster):
