@@ -132,10 +132,14 @@ def execute(session, loaded: NonXlaProgram, request, op_id):
     session.add_new_arrays(output_handles, outputs, f"the {len(outputs)} result(s) of {plan.name}")
     status = Pending() if options.fill_status else None
     execution = plan.execution()
-    earlier = [record for d in plan.host_device_ids for record in session.latest_work.get(d, ())]
-    if outputs:  # a later program on these devices (of either sort) runs after this one: the session's order
+    earlier = [
+        record
+        for d in plan.host_device_ids
+        for record in (*session.latest_work.get(d, ()), *session.latest_nonxla_work.get(d, ()))
+    ]
+    if outputs:  # the next non-XLA program on these devices runs after this one: the session's order
         for device_id in plan.host_device_ids:
-            session.latest_work[device_id] = outputs
+            session.latest_nonxla_work[device_id] = outputs
 
     def run() -> list:
         _wait_for(earlier)
