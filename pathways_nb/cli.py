@@ -119,7 +119,14 @@ def _serve_colocated_host(args: argparse.Namespace) -> int:
 
     started = time.monotonic()
     policy = choose_policy(args.executor_python, args.executor_uid_base)
-    server = ColocatedHostServer(args.socket, policy, credentials=security.ClusterCredentials.from_args(args))
+    credentials = security.ClusterCredentials.from_args(args)
+    if not credentials.token:
+        logging.getLogger("pathways_nb").warning(
+            "the colocated host at %s has no cluster token: any process that can open the socket may start "
+            "executors (pass --token_file, as its worker does)",
+            args.socket,
+        )
+    server = ColocatedHostServer(args.socket, policy, credentials=credentials)
     users = "a user of its own each" if policy.separate_users else "this host's user"
     message = f"pathways-nb colocated host at unix:{args.socket}: executors run as {users}"
     return _serve(server, message, started, args.port_file)

@@ -15,6 +15,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
@@ -32,7 +33,7 @@ from pathways_nb.protocol.errors import RequestError
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
 from pathways_nb.testing import other_users_python
-from pathways_nb.worker.executors import ArrayShards, ColocatedHostLink, ExecutorDied
+from pathways_nb.worker.executors import ArrayShards, ColocatedHostLink, ExecutorDied, ResultShape
 
 F32 = 11
 DEADLINE_S = 60
@@ -63,13 +64,26 @@ def spec(shape, dtype=np.float32, device: int = 1):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[device]))
 
 
-def program(fun, in_specs, out_specs, device: int = 1) -> tuple[str, bytes, bytes]:
-    """(name, digest, text) of ``fun`` as jax's colocated_python ships it."""
+@dataclass(frozen=True)
+class Program:
+    name: str
+    digest: bytes
+    text: bytes
+    results: list[ResultShape]
+
+
+def program(fun, in_specs, out_specs, device: int = 1) -> Program:
+    """``fun`` as jax's colocated_python ships it, and what its results must be."""
     in_leaves, in_tree = tree_util.tree_flatten((tuple(in_specs), {}))
     out_leaves, out_tree = tree_util.tree_flatten(out_specs)
     devices = xla_client.DeviceList((jax.devices()[device],))
     text = serialization._serialize((fun, in_tree, tuple(in_leaves), out_tree, tuple(out_leaves), devices))
-    return fun.__name__, hashlib.sha256(text).digest(), text
+    results = [ResultShape(F32, s.shape, s.shape) for s in out_leaves]
+    return Program(fun.__name__, hashlib.sha256(text).digest(), text, results)
+
+
+def run(executor, program: Program, args: list[ArrayShards], client: dict | None = None) -> list[ArrayShards]:
+    return executor.run(program.name, program.digest, program.text, args, program.results, client or {})
 
 
 def f32(values, device: int = 1) -> ArrayShards:
@@ -86,8 +100,8 @@ def test_runs_a_function_and_keeps_module_state_between_calls(host):
 
     executor = host.executor("state", "tenant-a", [0, 1])
     counted = program(count, [spec((3,))], spec((3,)))
-    first = executor.run(*counted, [f32([1, 2, 3])], {})
-    second = executor.run(*counted, [f32([1, 2, 3])], {})
+    first = run(executor, counted, [f32([1, 2, 3])])
+    second = run(executor, counted, [f32([1, 2, 3])])
     assert first[0].shards[1].tolist() == [1, 2, 3]
     assert second[0].shards[1].tolist() == [2, 4, 6]
     host.end_session("state")
@@ -99,7 +113,7 @@ def test_big_arrays_pass_through_files_both_ways(host):
 
     executor = host.executor("big", "tenant-a", [0, 1])
     big = np.arange(1 << 22, dtype=np.float32)  # 16 MiB: over the file threshold
-    (out,) = executor.run(*program(plus_one, [spec(big.shape)], spec(big.shape)), [f32(big)], {})
+    (out,) = run(executor, program(plus_one, [spec(big.shape)], spec(big.shape)), [f32(big)])
     np.testing.assert_array_equal(out.shards[1], big + 1)
     host.end_session("big")
 
@@ -110,12 +124,12 @@ def test_an_exception_comes_back_with_its_message_and_the_remote_traceback(host)
 
     executor = host.executor("raises", "tenant-a", [0, 1])
     with pytest.raises(RequestError) as raised:
-        executor.run(*program(fails, [spec((2,))], spec((2,))), [f32([1, 2])], {})
+        run(executor, program(fails, [spec((2,))], spec((2,))), [f32([1, 2])])
     assert raised.value.code == 2  # UNKNOWN: not a slice that went down
     assert "ValueError: the input pipeline ran dry" in raised.value.message
     assert "Remote traceback" in raised.value.message and "in fails" in raised.value.message
     # It keeps serving.
-    (out,) = executor.run(*program(lambda x: x, [spec((2,))], spec((2,))), [f32([1, 2])], {})
+    (out,) = run(executor, program(lambda x: x, [spec((2,))], spec((2,))), [f32([1, 2])])
     assert out.shards[1].tolist() == [1, 2]
     host.end_session("raises")
 
@@ -133,7 +147,7 @@ def test_an_executor_killed_mid_call_fails_that_call_and_the_next_starts_a_new_o
 
     executor = host.executor("killed", "tenant-a", [0, 1])
     waits = program(pid_and_wait, [spec((1,))], spec(()))
-    (before,) = executor.run(*waits, [f32([0])], {})
+    (before,) = run(executor, waits, [f32([0])])
     pid = int(before.shards[1])
     directory = Path(executor._running.started.directory)
 
@@ -146,17 +160,17 @@ def test_an_executor_killed_mid_call_fails_that_call_and_the_next_starts_a_new_o
     killer = threading.Thread(target=kill_once_running)
     killer.start()
     with pytest.raises(ExecutorDied) as died:
-        executor.run(*waits, [f32([1])], {})
+        run(executor, waits, [f32([1])])
     killer.join()
     assert "killed by signal SIGKILL" in died.value.message and "pid_and_wait" in died.value.message
-    (after,) = executor.run(*waits, [f32([0])], {})
+    (after,) = run(executor, waits, [f32([0])])
     assert int(after.shards[1]) != pid
     host.end_session("killed")
 
 
 def test_a_session_that_ends_takes_its_executor_and_its_directory_with_it(host):
     executor = host.executor("ends", "tenant-a", [0, 1])
-    executor.run(*program(lambda x: x, [spec((1,))], spec((1,))), [f32([1])], {})
+    run(executor, program(lambda x: x, [spec((1,))], spec((1,))), [f32([1])])
     pid, directory = executor._running.started.pid, Path(executor._running.started.directory)
     host.end_session("ends")
     deadline = time.monotonic() + DEADLINE_S
@@ -164,7 +178,7 @@ def test_a_session_that_ends_takes_its_executor_and_its_directory_with_it(host):
         time.sleep(0.05)
     assert not psutil.pid_exists(pid) and not directory.exists()
     with pytest.raises(RequestError, match="session ended"):
-        executor.run(*program(lambda x: x, [spec((1,))], spec((1,))), [f32([1])], {})
+        run(executor, program(lambda x: x, [spec((1,))], spec((1,))), [f32([1])])
 
 
 def test_tenants_executors_see_neither_each_others_state_nor_files_nor_the_cluster_token(host):
@@ -201,8 +215,8 @@ def test_tenants_executors_see_neither_each_others_state_nor_files_nor_the_clust
 
     a, b = host.executor("tenant-a", "a", [0, 1]), host.executor("tenant-b", "b", [0, 1])
     probing = program(probe, [spec((1,))], spec((1,)))
-    a.run(*probing, [f32([1])], {})
-    b.run(*probing, [f32([1])], {})
+    run(a, probing, [f32([1])])
+    run(b, probing, [f32([1])])
     uid_a, uid_b = a._running.started.uid, b._running.started.uid
     assert uid_a != uid_b and os.getuid() not in (uid_a, uid_b)
 
@@ -214,7 +228,7 @@ def test_tenants_executors_see_neither_each_others_state_nor_files_nor_the_clust
         )
 
     for executor in (a, b):
-        (out,) = executor.run(*program(report, [spec((1,))], spec((2,))), [f32([1])], {})
+        (out,) = run(executor, program(report, [spec((1,))], spec((2,))), [f32([1])])
         assert out.shards[1].tolist() == [1.0, 0.0]  # nothing seen of the other, no token
 
     def point_at(directory):
@@ -226,8 +240,8 @@ def test_tenants_executors_see_neither_each_others_state_nor_files_nor_the_clust
 
         return set_other
 
-    b.run(*program(point_at(a._running.started.directory), [spec((1,))], spec((1,))), [f32([1])], {})
-    b.run(*program(read_other, [spec((1,))], spec((1,))), [f32([1])], {})
+    run(b, program(point_at(a._running.started.directory), [spec((1,))], spec((1,))), [f32([1])])
+    run(b, program(read_other, [spec((1,))], spec((1,))), [f32([1])])
 
     def outcome(x):
         import builtins
@@ -237,7 +251,7 @@ def test_tenants_executors_see_neither_each_others_state_nor_files_nor_the_clust
             np.array([codes.get(builtins.outcome[k], 2.0) for k in ("file", "host_environ")], np.float32), x.sharding
         )
 
-    (out,) = b.run(*program(outcome, [spec((1,))], spec((2,))), [f32([1])], {})
+    (out,) = run(b, program(outcome, [spec((1,))], spec((2,))), [f32([1])])
     assert out.shards[1].tolist() == [1.0, 1.0]  # PermissionError both times
     host.end_session("tenant-a")
     host.end_session("tenant-b")
@@ -245,20 +259,25 @@ def test_tenants_executors_see_neither_each_others_state_nor_files_nor_the_clust
 
 def test_bad_calls_get_clear_errors_and_the_executor_keeps_serving(host):
     executor = host.executor("bad", "tenant-a", [0, 1])
-    name, digest, text = program(lambda x: x, [spec((1,))], spec((1,)))
+    identity = program(lambda x: x, [spec((1,))], spec((1,)))
     with pytest.raises(RequestError, match="does not match its digest"):
-        executor.run(name, b"\0" * 32, text, [f32([1])], {})
+        run(executor, replace(identity, digest=b"\0" * 32), [f32([1])])
     with pytest.raises(RequestError, match="not loaded on this executor"):
-        executor.run(name, hashlib.sha256(b"other").digest(), b"", [f32([1])], {})
+        run(executor, replace(identity, digest=hashlib.sha256(b"other").digest(), text=b""), [f32([1])])
     garbage = b"\x80\x05not a pickle"
     with pytest.raises(RequestError, match="could not be unpickled") as unpickled:
-        executor.run("garbage", hashlib.sha256(garbage).digest(), garbage, [], {})
+        run(executor, Program("garbage", hashlib.sha256(garbage).digest(), garbage, []), [])
     assert f"Python {sys.version_info.major}.{sys.version_info.minor}" in unpickled.value.message
     with pytest.raises(RequestError, match="takes 1 arrays, got 0"):
-        executor.run(name, digest, text, [], {})
+        run(executor, identity, [])
     with pytest.raises(RequestError, match="cloudpickle's pickles are not portable"):
-        executor.run(name, digest, text, [f32([1])], {"python": "2.7", "jax": "0.0.1"})
-    (out,) = executor.run(name, digest, text, [f32([5])], {})
+        run(executor, identity, [f32([1])], {"python": "2.7", "jax": "0.0.1"})
+    # Results are checked against what the program says before any of their bytes are read.
+    with pytest.raises(RequestError, match="the output spec says kind 11 \\[2\\]"):
+        run(executor, replace(identity, results=[ResultShape(F32, (2,), (2,))]), [f32([1])])
+    with pytest.raises(RequestError, match="where \\[2\\] was due"):
+        run(executor, replace(identity, results=[ResultShape(F32, (1,), (2,))]), [f32([1])])
+    (out,) = run(executor, identity, [f32([5])])
     assert out.shards[1].tolist() == [5.0]
     host.end_session("bad")
 

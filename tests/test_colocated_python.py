@@ -18,6 +18,7 @@ import numpy as np
 import psutil
 import pytest
 
+from pathways_nb.core import shared_memory
 from pathways_nb.launch.local_cluster import LocalCluster
 from pathways_nb.testing import other_users_python, python_process
 
@@ -170,6 +171,32 @@ say(totals=totals, other=float(np.asarray(other.add(x))))
     assert result["other"] == 4.0
 
 
+def test_asynchronous_calls_run_in_the_order_the_session_made_them(colocated_cluster):
+    (result,) = run_client(
+        colocated_cluster,
+        """
+@cp.colocated_python_class
+class Log:
+    def __init__(self):
+        self.items = []
+
+    def append(self, x):
+        self.items.append(float(np.asarray(x)[0]))
+        return x
+
+    def contents(self, x):
+        return jax.device_put(np.array(self.items, np.float32), x.sharding)
+
+log = Log()
+x = jax.device_put(np.zeros(1, np.float32), cpus[2])
+np.asarray(log.append(x))                             # the first call finds the output specs
+pending = [log.append(x + i) for i in range(1, 13)]   # asynchronous, arguments ready at any time
+say(items=np.asarray(log.contents(x)).tolist())
+""",
+    )
+    assert result["items"] == [float(i) for i in range(13)]
+
+
 def test_an_exception_raised_remotely_arrives_with_its_message_and_traceback(colocated_cluster):
     result, after = run_client(
         colocated_cluster,
@@ -278,27 +305,42 @@ sys.stdin.readline()  # the session (and its executor) lives until the test says
     assert first["outcome"] == 0.0 and second["outcome"] == 2.0  # b found a's directory and was refused
 
 
-def test_an_executors_environment_has_no_cluster_token_and_its_session_end_stops_it(colocated_cluster):
+def test_an_executor_has_no_cluster_token_nor_the_workers_files_and_ends_with_its_session(colocated_cluster):
     process = start_client(
         colocated_cluster,
         """
+workers_directory = sys.argv[4]  # the workers' shared memory: other tenants' arrays pass there
+
 @cp.colocated_python
 def probe(x):
     import os
-    return jax.device_put(
-        np.array([os.getpid(), "PATHWAYS_CLUSTER_TOKEN" in os.environ, len(os.environ)], np.float32), x.sharding)
+    try:
+        os.listdir(workers_directory)
+        workers_files = 1
+    except PermissionError:
+        workers_files = 0
+    return jax.device_put(np.array(
+        [os.getpid(), "PATHWAYS_CLUSTER_TOKEN" in os.environ, len(os.environ), workers_files], np.float32), x.sharding)
 
 x = jax.device_put(np.zeros(1, np.float32), cpus[1])
-pid, has_token, variables = np.asarray(probe(x)).tolist()
-say(pid=int(pid), has_token=bool(has_token), variables=int(variables))
+pid, has_token, variables, workers_files = np.asarray(probe(x)).tolist()
+say(pid=int(pid), has_token=bool(has_token), variables=int(variables), workers_files=bool(workers_files))
 pathways_nb.disconnect()
-say(disconnected=True)
+try:
+    np.asarray(probe(x))
+    say(after_disconnect=None)
+except Exception as error:
+    say(after_disconnect=type(error).__name__)
 sys.stdin.readline()
 """,
+        "tenant-a",
+        str(shared_memory.private_root()),
     )
     probed = json.loads(process.stdout.readline())
     assert not probed["has_token"] and probed["variables"] < 12
-    assert json.loads(process.stdout.readline())["disconnected"]
+    if other_users_python() is not None:
+        assert not probed["workers_files"]
+    assert json.loads(process.stdout.readline())["after_disconnect"] is not None  # refused once the session ended
     deadline = time.monotonic() + DEADLINE_S
     while psutil.pid_exists(probed["pid"]):
         assert time.monotonic() < deadline, "the session ended but its executor lives on"

@@ -55,29 +55,48 @@ def encode(device_id: int, host: np.ndarray, directory: Path | None, owner: int 
         shard.bytes = data.tobytes()
         return shard
     name = f"shard-{os.getpid()}-{next(_names)}"
-    descriptor = os.open(directory / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        _write(directory / name, data, owner)
+    except OSError:  # shared memory full, or a name the other side took: the bytes go in the message
+        shard.bytes = data.tobytes()
+        return shard
+    shard.file = name
+    return shard
+
+
+def _write(path: Path, data: memoryview, owner: int | None) -> None:
+    """A new file (never through a link, never over an existing one) with ``data``, handed to ``owner``."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         if owner is not None and owner != os.getuid():
             os.fchown(descriptor, owner, -1)
         with os.fdopen(descriptor, "wb", closefd=False) as file:
             file.write(data)
     except BaseException:
-        os.unlink(directory / name)
+        os.unlink(path)
         raise
     finally:
         os.close(descriptor)
-    shard.file = name
-    return shard
 
 
-def decode(shard: pb.ColocatedShard, kind: int, directory: Path | None, map_file: bool) -> np.ndarray:
+def decode(
+    shard: pb.ColocatedShard,
+    kind: int,
+    directory: Path | None,
+    map_file: bool,
+    expected_shape: tuple[int, ...] | None = None,
+) -> np.ndarray:
     """A shard's value, of dtype ``kind``; a file is removed once read.
 
     ``map_file``: map the file (its writer cannot change it: the executor's side) instead of
-    reading it into memory of this process (the worker's side).
+    reading it into memory of this process (the worker's side). ``expected_shape``: the shape the
+    shard must have, checked before any memory is set aside for it (the worker's side: the
+    executor says what it sends, and is not believed).
     """
     dtype = dtype_of(kind)
     shape = tuple(shard.shape)
+    if expected_shape is not None and shape != tuple(expected_shape):
+        raise InvalidRequest(f"a shard of shape {list(shape)} where {list(expected_shape)} was due")
     which = shard.WhichOneof("data")
     count = int(np.prod(shape, dtype=np.int64))
     if kind == STRING_KIND:
@@ -100,7 +119,8 @@ def _take(directory: Path, name: str, size: int, map_file: bool):
         raise InvalidRequest(f"{name!r} does not name a file of the executor's directory")
     path = directory / name
     try:
-        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        # (O_NONBLOCK: a FIFO put there would otherwise block the open until someone writes to it.)
+        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as error:
         raise InvalidRequest(f"cannot open the shard file {name}: {error.strerror}") from None
     try:

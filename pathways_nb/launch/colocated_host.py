@@ -35,8 +35,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import psutil
 
+from pathways_nb.core import shared_memory
 from pathways_nb.core.aio_server import BackgroundServer
 from pathways_nb.core.security import ClusterCredentials
 from pathways_nb.launch.processes import exit_description
@@ -188,13 +190,21 @@ class ColocatedHostService(cluster_pb2_grpc.ColocatedHostServicer):
     def __init__(self, policy: ExecutorPolicy, root: Path):
         self.policy = policy
         self.root = root
-        self._logs = Path(tempfile.mkdtemp(prefix="logs-", dir=root))
-        self._users = UserPool(policy.uid_base, Path(tempfile.gettempdir()) / "pathways-nb-executor-users")
+        # Executors' output, on disk (not the shared memory their shards use), for the tail of a crash.
+        self._logs = Path(tempfile.mkdtemp(prefix="pathways-nb-executor-logs-"))
+        private = shared_memory.private_root()
+        if policy.separate_users and private is None:
+            raise RuntimeError("no private directory to hold the executors' users in (see PATHWAYS_SHM_ROOT)")
+        # Held in this user's private root (mode 0700): nobody else may take or free a user.
+        self._users = UserPool(policy.uid_base, (private or root) / "executor-users")
         self._names = itertools.count()
         self._running: set[_Executor] = set()
 
     async def Executor(self, request: pb.ExecutorRequest, context):
-        executor = await self._start(request)
+        try:
+            executor = await self._start(request)
+        except (OSError, RuntimeError) as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
         self._running.add(executor)
         try:
             yield pb.ExecutorEvent(
@@ -287,6 +297,7 @@ class ColocatedHostService(cluster_pb2_grpc.ColocatedHostServicer):
     async def stop_all(self) -> None:
         await asyncio.gather(*(self._stop(executor) for executor in list(self._running)))
         shutil.rmtree(self.root, ignore_errors=True)
+        shutil.rmtree(self._logs, ignore_errors=True)
 
 
 async def _ready(read: int) -> bool:

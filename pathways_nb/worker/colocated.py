@@ -27,7 +27,7 @@ from pathways_nb.core.string_arrays import StringArray
 from pathways_nb.protocol import shardings
 from pathways_nb.protocol.errors import FailedPrecondition, InvalidRequest
 from pathways_nb.rpc import cluster_pb2 as pb
-from pathways_nb.worker.executors import ArrayShards, ColocatedHostLink
+from pathways_nb.worker.executors import ArrayShards, ColocatedHostLink, ResultShape
 
 PROGRAM_TYPE = "jax_colocated_python_v0.0.1"
 OFF = (
@@ -143,9 +143,9 @@ class ColocatedPython:
         executor = self.host.executor(session, tenant, list(self._cluster_ids.values()))
         versions = {"python": call.client_python, "jax": call.client_jax, "cloudpickle": call.client_cloudpickle}
         digest = hashlib.sha256(call.program).digest()
-        outputs = executor.run(call.name, digest, call.program, [self._shards(pieces) for pieces in args], versions)
-        if len(outputs) != len(results):
-            raise InvalidRequest(f"{call.name} returned {len(outputs)} arrays, its output specs say {len(results)}")
+        expected = [ResultShape(r.kind, tuple(r.shape), r.sharding.shard_shape(tuple(r.shape))) for r in results]
+        arguments = [self._shards(pieces) for pieces in args]
+        outputs = executor.run(call.name, digest, call.program, arguments, expected, versions)
         return [self._value(output, result) for output, result in zip(outputs, results, strict=True)]
 
     def _shards(self, pieces: Sequence[Any]) -> ArrayShards:
@@ -169,11 +169,6 @@ class ColocatedPython:
 
     def _value(self, output: ArrayShards, result: nonxla.ResultSpec):
         """A result as this worker holds it: a string array, or an array on its colocated CPU devices."""
-        if output.kind != result.kind or output.shape != tuple(result.shape):
-            raise InvalidRequest(
-                f"a result of kind {output.kind} {list(output.shape)}; the output spec says kind {result.kind} "
-                f"{list(result.shape)}"
-            )
         local_ids = self.runtime.local_part(result.sharding).device_ids
         try:
             shards = [output.shards[self._cluster_ids[local]] for local in local_ids]

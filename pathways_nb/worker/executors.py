@@ -22,7 +22,7 @@ import numpy as np
 
 from pathways_nb.core import colocated_arrays
 from pathways_nb.core.security import ClusterCredentials
-from pathways_nb.protocol.errors import FailedPrecondition, RequestError, Unavailable
+from pathways_nb.protocol.errors import FailedPrecondition, InvalidRequest, RequestError, Unavailable
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
 
@@ -30,7 +30,10 @@ _LOGGER = logging.getLogger(__name__)
 
 # How long a failed call waits for the host to say how its executor ended.
 EXIT_REPORT_WAIT_S = 10.0
-_MESSAGE_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+# Shards go through files; what rides in an answer is small (strings, small shards, or the bytes of a
+# shard whose file could not be written), and the worker takes no more than this from a tenant's process.
+MAX_ANSWER_BYTES = 256 << 20
+_MESSAGE_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", MAX_ANSWER_BYTES)]
 
 
 class ExecutorDied(RequestError):
@@ -40,6 +43,15 @@ class ExecutorDied(RequestError):
     """
 
     code = 10  # ABORTED
+
+
+@dataclass(frozen=True)
+class ResultShape:
+    """What a result must be: dtype kind, global shape, and the shape of each of its shards."""
+
+    kind: int
+    shape: tuple[int, ...]
+    shard_shape: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -87,9 +99,18 @@ class SessionExecutor:
         self._closed = False
 
     def run(
-        self, name: str, digest: bytes, text: bytes, args: Sequence[ArrayShards], client: dict[str, str]
+        self,
+        name: str,
+        digest: bytes,
+        text: bytes,
+        args: Sequence[ArrayShards],
+        results: Sequence[ResultShape],
+        client: dict[str, str],
     ) -> list[ArrayShards]:
-        """Runs one program on the executor (started if needed); its results, or a ``RequestError``."""
+        """Runs one program on the executor (started if needed); its results, or a ``RequestError``.
+
+        Each result is checked against ``results`` before its bytes are read.
+        """
         with self._lock:
             if self._closed:
                 raise FailedPrecondition("the session ended: its colocated Python executor is gone")
@@ -116,17 +137,27 @@ class SessionExecutor:
                 failure = RequestError(result.error.message)
                 failure.code = result.error.code
                 raise failure
-            return [
-                ArrayShards(
-                    output.dtype_kind,
-                    tuple(output.shape),
-                    {
-                        shard.device_id: colocated_arrays.decode(shard, output.dtype_kind, running.directory, False)
-                        for shard in output.shards
-                    },
+            if len(result.results) != len(results):
+                raise InvalidRequest(
+                    f"{name} returned {len(result.results)} arrays, its output specs say {len(results)}"
                 )
-                for output in result.results
+            return [
+                self._decoded(output, expected, running.directory)
+                for output, expected in zip(result.results, results, strict=True)
             ]
+
+    @staticmethod
+    def _decoded(output: pb.ColocatedArray, expected: ResultShape, directory: Path) -> ArrayShards:
+        if output.dtype_kind != expected.kind or tuple(output.shape) != expected.shape:
+            raise InvalidRequest(
+                f"a result of kind {output.dtype_kind} {list(output.shape)}; the output spec says kind "
+                f"{expected.kind} {list(expected.shape)}"
+            )
+        shards = {
+            shard.device_id: colocated_arrays.decode(shard, expected.kind, directory, False, expected.shard_shape)
+            for shard in output.shards
+        }
+        return ArrayShards(expected.kind, expected.shape, shards)
 
     def _start(self) -> _Running:
         try:
