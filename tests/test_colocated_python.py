@@ -348,6 +348,25 @@ sys.stdin.readline()
     process.communicate("\n", timeout=CLIENT_TIMEOUT_S)
 
 
+def test_a_call_over_several_hosts_colocated_devices_is_refused_with_what_to_do(colocated_cluster):
+    (result,) = run_client(
+        colocated_cluster,
+        """
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+both_islands = NamedSharding(Mesh(np.array(cpus), ("x",)), P("x"))
+x = jax.device_put(np.arange(8, dtype=np.float32), both_islands)
+try:
+    np.asarray(cp.colocated_python(lambda x: x * 2)(x))
+    say(raised=None)
+except Exception as error:
+    say(raised=type(error).__name__, message=str(error))
+""",
+    )
+    assert result["raised"] == "JaxRuntimeError"
+    assert "INVALID_ARGUMENT" in result["message"] and "several hosts" in result["message"]
+    assert "call the function once per host" in result["message"]
+
+
 def test_colocated_programs_are_refused_where_the_cluster_runs_no_colocated_python(cluster):
     code = """
 import json, sys, jax, numpy as np, pathways_nb
