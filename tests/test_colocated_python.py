@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import signal
 import tempfile
 import time
@@ -43,6 +44,18 @@ def colocated_cluster():
         islands=2, devices_per_host=2, colocated_python=True, colocated_python_executable=other_users_python()
     ) as cluster:
         yield cluster
+
+
+@pytest.fixture
+def open_directory():
+    """A directory every user may write in (executors run as users of their own), removed afterwards.
+
+    Not under pytest's ``tmp_path``, whose parents only this user may enter.
+    """
+    directory = tempfile.mkdtemp(prefix="pathways-nb-test-")
+    os.chmod(directory, 0o777)
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def start_client(cluster: LocalCluster, body: str, tenant: str = "tenant-a", *args: str):
@@ -259,9 +272,8 @@ say(after=int(np.asarray(pid_or_wait(zero))))
     assert all(w.alive() for w in colocated_cluster.workers.values())
 
 
-def test_two_tenants_executors_see_neither_each_others_globals_nor_files(colocated_cluster):
-    meeting = tempfile.mkdtemp(prefix="pathways-nb-tenants-")
-    os.chmod(meeting, 0o777)  # where each tenant's executor says where its files are
+def test_two_tenants_executors_see_neither_each_others_globals_nor_files(colocated_cluster, open_directory):
+    meeting = open_directory  # where each tenant's executor says where its files are
     body = """
 role, meeting = sys.argv[4], sys.argv[5]
 
@@ -416,10 +428,10 @@ print(json.dumps({k: np.asarray(v).tolist() for k, v in restored.items()}))
 """
 
 
-def test_orbax_pathways_handlers_save_and_restore_through_colocated_python_as_local_orbax_does(colocated_cluster):
-    directory = tempfile.mkdtemp(prefix="pathways-nb-orbax-")
-    os.chmod(directory, 0o777)  # the executors write there as users of their own
-    path = os.path.join(directory, "checkpoint")
+def test_orbax_pathways_handlers_save_and_restore_through_colocated_python_as_local_orbax_does(
+    colocated_cluster, open_directory
+):
+    path = os.path.join(open_directory, "checkpoint")  # the executors write there as users of their own
     expected = {"w": np.arange(16, dtype=np.float32).reshape(4, 4).tolist(), "b": [1.5, -2.0]}
     (saved,) = run_client(colocated_cluster, ORBAX_CLIENT, "tenant-a", path, "save")
     assert saved["restored"] == expected and saved["shardings_kept"]
