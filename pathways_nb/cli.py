@@ -94,7 +94,7 @@ def _serve_worker(args: argparse.Namespace) -> int:
         args.hosts_per_island, args.host_index, args.coordinator_address or "", args.host, collectives_host=reachable
     )
     island.check()
-    runtime = LocalRuntime(args.platform, args.devices, island=island)
+    runtime = LocalRuntime(args.platform, args.devices, island=island, colocated_python=args.colocated_python)
     server = WorkerServer(
         runtime,
         args.resource_manager_address,
@@ -104,12 +104,31 @@ def _serve_worker(args: argparse.Namespace) -> int:
         host=args.host,
         advertise_address=args.advertise_address,
         credentials=security.ClusterCredentials.from_args(args),
+        colocated_python_host=args.colocated_python_host,
         storage=StorageRoot(args.storage_root or default_root()),
     )
     message = (
         f"pathways-nb worker {server.registration.worker_id} at {server.address} with "
         f"{len(runtime.devices)} {runtime.platform} device(s) {list(server.registration.device_ids)}"
     )
+    return _serve(server, message, started, args.port_file)
+
+
+def _serve_colocated_host(args: argparse.Namespace) -> int:
+    from pathways_nb.launch.colocated_host import ColocatedHostServer, choose_policy
+
+    started = time.monotonic()
+    policy = choose_policy(args.executor_python, args.executor_uid_base)
+    credentials = security.ClusterCredentials.from_args(args)
+    if not credentials.token:
+        logging.getLogger("pathways_nb").warning(
+            "the colocated host at %s has no cluster token: any process that can open the socket may start "
+            "executors (pass --token_file, as its worker does)",
+            args.socket,
+        )
+    server = ColocatedHostServer(args.socket, policy, credentials=credentials)
+    users = "a user of its own each" if policy.separate_users else "this host's user"
+    message = f"pathways-nb colocated host at unix:{args.socket}: executors run as {users}"
     return _serve(server, message, started, args.port_file)
 
 
@@ -126,6 +145,8 @@ def _up(args: argparse.Namespace) -> int:
         port=args.port,
         platform=args.platform,
         token=security.ClusterCredentials.from_args(args).token,
+        colocated_python=args.colocated_python,
+        colocated_python_executable=args.colocated_python_executable,
         storage_root=args.storage_root,
     )
     token_directory = None
@@ -175,6 +196,7 @@ def _deploy_k8s(args: argparse.Namespace) -> int:
         image=args.image,
         name=args.name,
         namespace=args.namespace,
+        colocated_python=args.colocated_python,
     )
     for path in write_kubernetes(deployment, args.output):
         print(f"wrote {path}")
@@ -210,6 +232,8 @@ def _add_storage_root(parser: argparse.ArgumentParser, what: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from pathways_nb.launch.colocated_host import DEFAULT_UID_BASE
+
     parser = argparse.ArgumentParser(prog="pathways-nb", description="Run JAX on a Pathways-style cluster.")
     parser.add_argument("--version", action="version", version=f"pathways-nb {__version__}")
     common = argparse.ArgumentParser(add_help=False)
@@ -301,10 +325,43 @@ def build_parser() -> argparse.ArgumentParser:
     )
     worker.add_argument("--devices", type=int, default=None, help=DEVICES_HELP)
     worker.add_argument("--platform", default="cpu", help="local platform: cpu, cuda, rocm, tpu, or auto")
+    worker.add_argument(
+        "--colocated_python",
+        action="store_true",
+        help="give each device a CPU device beside it for jax.experimental.colocated_python "
+        "(CPU workers; docs/colocated_python.md)",
+    )
+    worker.add_argument(
+        "--colocated_python_host",
+        default=None,
+        help="unix:PATH of this host's pathways-nb colocated-host, which starts the executors",
+    )
     worker.add_argument("--port_file", default=None, help="write the bound port to this file once serving")
     _add_storage_root(worker, "the worker writes profiles and checkpoints that clients ask for")
     security.add_arguments(worker, serve_tls=True, call_tls=True)
     worker.set_defaults(run=_serve_worker)
+
+    colocated = commands.add_parser(
+        "colocated-host",
+        parents=[common],
+        help="start and stop the colocated Python executors of this host's worker (beside it)",
+    )
+    colocated.add_argument("--socket", required=True, help="the unix socket to serve on")
+    colocated.add_argument(
+        "--executor_python",
+        default=None,
+        help="the Python interpreter executors run (default: this one); other users must be able to read it "
+        "for executors to run as users of their own",
+    )
+    colocated.add_argument(
+        "--executor_uid_base",
+        type=int,
+        default=DEFAULT_UID_BASE,
+        help="executors run as users from this uid on, one each (when this host runs as root)",
+    )
+    colocated.add_argument("--port_file", default=None, help="write 0 to this file once serving (for launchers)")
+    security.add_arguments(colocated, serve_tls=False, call_tls=False)
+    colocated.set_defaults(run=_serve_colocated_host)
 
     up = commands.add_parser("up", parents=[common], help="start a whole cluster on this machine (Ctrl-C stops it)")
     up.add_argument("--islands", type=int, default=2, help="number of islands")
@@ -312,6 +369,16 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--devices-per-host", dest="devices_per_host", type=int, default=4, help="devices per host")
     up.add_argument("--port", type=int, default=29000, help="the proxy's port; 0 picks a free one")
     up.add_argument("--platform", default="cpu", help="the workers' platform")
+    up.add_argument(
+        "--colocated_python",
+        action="store_true",
+        help="run tenants' jax.experimental.colocated_python beside the devices (docs/colocated_python.md)",
+    )
+    up.add_argument(
+        "--colocated_python_executable",
+        default=None,
+        help="the Python interpreter colocated Python executors run (default: this one)",
+    )
     up.add_argument(
         "--storage_root",
         default=None,
@@ -337,6 +404,12 @@ def build_parser() -> argparse.ArgumentParser:
     k8s.add_argument("--image", default=f"pathways-nb:{__version__}", help="the image built from this repository")
     k8s.add_argument("--namespace", default=None, help="Kubernetes namespace (default: kubectl's current one)")
     k8s.add_argument("--name", default="pathways-nb", help="the JobSet's name, which prefixes every object's")
+    k8s.add_argument(
+        "--colocated_python",
+        action="store_true",
+        help="run tenants' jax.experimental.colocated_python beside the devices: each worker pod gets a "
+        "colocated-host sidecar (CPU workers; docs/colocated_python.md)",
+    )
     k8s.add_argument("--output", required=True, help="directory to write the files into")
     k8s.set_defaults(run=_deploy_k8s)
 

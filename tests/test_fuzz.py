@@ -32,6 +32,7 @@ import psutil
 import pytest
 
 from pathways_nb import testing
+from pathways_nb.launch.local_cluster import LocalCluster
 from pathways_nb.protocol import data_messages, schema, shardings
 from pathways_nb.testing import WireSession
 
@@ -50,6 +51,8 @@ UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 SHARDING_TYPES = (shardings.SINGLE_DEVICE, shardings.HLO, shardings.CONCRETE_EVEN, shardings.OPAQUE)
 PLUGIN_PROGRAM = "xla::ifrt::PluginProgram"
 CUSTOM_CALL_PROGRAM = "xla::ifrt::CustomCallProgram"
+CUSTOM_CALL_OPTIONS = "xla::ifrt::CustomCallCompileOptions"
+COLOCATED_PYTHON = "jax_colocated_python_v0.0.1"
 TYPE_NAMES = (
     *SHARDING_TYPES,
     "xla::ifrt::XlaProgram",
@@ -57,6 +60,7 @@ TYPE_NAMES = (
     PLUGIN_PROGRAM,
     CUSTOM_CALL_PROGRAM,
     "xla::ifrt::PluginCompileOptions",
+    CUSTOM_CALL_OPTIONS,
     "xla::ifrt::Unknown",
     "",
 )
@@ -165,15 +169,41 @@ CLIENT = """
 """
 
 
-def _run_client(address: str, stock: bool) -> str:
-    """Runs ``CLIENT`` against ``address``: with JAX's variables only (stock) or via ``pathways_nb.connect``."""
+# What a client of colocated Python sends: an unspecialized function (three programs, one a string
+# result), a specialized one, a class's method.
+COLOCATED_CLIENT = """
+    import numpy as np, jax
+    from jax.experimental import colocated_python as cp
+    cpus = cp.colocated_cpu_devices(jax.devices())
+    x = jax.device_put(np.arange(4, dtype=np.float32), cpus[0])
+    doubled = cp.colocated_python(lambda x: {"y": x * 2})(x)
+    plus_one = cp.colocated_python(lambda x: x + 1).specialize(out_specs_fn=lambda x: x)(x)
+
+    @cp.colocated_python_class
+    class Total:
+        def __init__(self):
+            self.total = 0.0
+
+        def add(self, x):
+            self.total += float(np.asarray(x).sum())
+            return jax.device_put(np.float32(self.total), x.sharding)
+
+    total = Total().add(x)
+    assert np.asarray(doubled["y"]).tolist() == [0, 2, 4, 6], doubled
+    assert np.asarray(plus_one).tolist() == [1, 2, 3, 4] and float(np.asarray(total)) == 6.0
+    print("client ok")
+"""
+
+
+def _run_client(address: str, stock: bool, script: str = CLIENT) -> str:
+    """Runs ``script`` against ``address``: with JAX's variables only (stock) or via ``pathways_nb.connect``."""
     if stock:
         env = {"JAX_PLATFORMS": "proxy,cpu", "JAX_BACKEND_TARGET": address}
         env["IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS"] = "true"
-        process = testing.python_process(CLIENT, env=env)
+        process = testing.python_process(script, env=env)
     else:
         connect = "import sys, pathways_nb\npathways_nb.connect(sys.argv[1])\n"
-        process = testing.python_process(connect + textwrap.dedent(CLIENT), address)
+        process = testing.python_process(connect + textwrap.dedent(script), address)
     out, err = process.communicate(timeout=180)
     assert process.returncode == 0 and "client ok" in out, f"client failed:\n{out}\n{err[-4000:]}"
     return out
@@ -202,6 +232,9 @@ class Handles:
     futures: list[int] = field(default_factory=lambda: [1 << 48])
     host_buffers: list[int] = field(default_factory=lambda: [1])
     devices: list[int] = field(default_factory=lambda: [0])
+    # Texts of colocated Python programs a real client sent (cloudpickle): sent intact, never mutated
+    # (a mutated pickle is a program of its own, run where colocated Python runs).
+    program_texts: list[bytes] = field(default_factory=list)
 
     def learn(self, response) -> None:
         for name, values in _ints_named(response):
@@ -321,8 +354,12 @@ class RequestMaker:
         if kind == descriptor.CPPTYPE_BOOL:
             return rng.random() < 0.5
         if kind == descriptor.CPPTYPE_STRING:
+            if name == "serialized_program_text" and self.handles.program_texts and rng.random() < 0.5:
+                return rng.choice(self.handles.program_texts)
             if descriptor.type == descriptor.TYPE_BYTES:
                 return rng.randbytes(rng.choice((0, 1, 16, 200)))
+            if name == "type" and descriptor.containing_type.name == "CustomCallProgramProto":
+                return COLOCATED_PYTHON if rng.random() < 0.85 else self._text()
             if name == "memory_kind":
                 return rng.choice(MEMORY_KINDS)
             if name == "type_name":
@@ -454,6 +491,7 @@ class FuzzSession:
         self.corpus = corpus
         self.handles = Handles()
         self.handles.devices = list(self.wire.init_response.addressable_device_ids) or [0]
+        self.handles.program_texts = _program_texts(self.wire.messages, corpus)
         self.maker = RequestMaker(rng, self.handles)
         self.sent: dict[int, str] = {}
         self.lock = threading.Lock()
@@ -646,6 +684,19 @@ class FuzzSession:
         self.reader.join(5)
 
 
+def _program_texts(messages, corpus: list) -> list[bytes]:
+    """The texts of the custom-call programs (colocated Python) in the captured requests."""
+    texts = []
+    for method, data, _ in corpus:
+        if method != "IfrtSession":
+            continue
+        request = messages.proxy.IfrtRequest.FromString(data)
+        program = request.compile_request.program
+        if request.WhichOneof("request") == "compile_request" and program.type_name == CUSTOM_CALL_PROGRAM:
+            texts.append(messages.ifrt.CustomCallProgramProto.FromString(program.data).serialized_program_text)
+    return texts
+
+
 def _store_handle(wire: WireSession, metadata: dict) -> int:
     raw = metadata.get(testing.STORE_METADATA_KEY, b"")
     return wire.messages.proxy.GrpcHostBufferStoreMetadata.FromString(raw).handle
@@ -734,6 +785,25 @@ def test_fuzz_cluster(cluster, captured):
         return replaced + [f"{p.name}: {p.log_tail()}" for p in cluster.processes() if not p.alive()]
 
     _fuzz_and_check("cluster", cluster.processes(), dead, cluster.address, captured, SECONDS, cluster.token)
+
+
+def test_fuzz_colocated_python_cluster(captured):
+    """Custom-call programs reach the executors: real ones (replayed), random ones, with random arguments."""
+    with LocalCluster(
+        islands=2, devices_per_host=2, colocated_python=True, colocated_python_executable=testing.other_users_python()
+    ) as cluster:
+        relay = _Relay(cluster.proxy.hostport)
+        try:
+            _run_client(f"grpc://127.0.0.1:{relay.port}", stock=True, script=COLOCATED_CLIENT)
+        finally:
+            relay.close()
+
+        def dead() -> list[str]:
+            return [f"{p.name}: {p.log_tail()}" for p in cluster.processes() if not p.alive()]
+
+        corpus = captured + relay.log
+        _fuzz_and_check("colocated", cluster.processes(), dead, cluster.address, corpus, SECONDS)
+        _run_client(cluster.address, stock=False, script=COLOCATED_CLIENT)
 
 
 # -- what the fuzzer found, pinned ------------------------------------------------------------------

@@ -434,6 +434,35 @@ def test_bad_arguments_say_what_to_do(flags, message, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_colocated_python_gives_each_worker_pod_a_colocated_host_beside_it(tmp_path, no_network):
+    objects = load_objects(deploy(tmp_path, *DOCUMENTED, "--colocated_python"))
+    jobset = by_kind(objects, "JobSet")
+    validate_jobset(jobset)
+    replicated = {r["name"]: r for r in jobset["spec"]["replicatedJobs"]}
+    pod = replicated["worker"]["template"]["spec"]["template"]["spec"]
+    worker, host = pod["containers"]
+    assert (worker["name"], host["name"]) == ("worker", "colocated-host")
+    socket_flag = f"--colocated_python_host=unix:{kubernetes.COLOCATED_SOCKET}"
+    assert "--colocated_python" in worker["args"] and socket_flag in worker["args"]
+    assert host["args"][:2] == ["colocated-host", f"--socket={kubernetes.COLOCATED_SOCKET}"]
+    assert f"--token_file={kubernetes.TOKEN_FILE}" in host["args"]  # its callers need the token
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["shm"]["emptyDir"] == {"medium": "Memory"}  # the executors' shards pass through memory
+    for container in (worker, host):
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        assert mounts["colocated"] == kubernetes.COLOCATED_DIRECTORY and mounts["shm"] == "/dev/shm"
+    for other in ("rm", "proxy"):  # only workers have executors
+        assert len(replicated[other]["template"]["spec"]["template"]["spec"]["containers"]) == 1
+
+
+def test_colocated_python_on_accelerators_says_it_needs_cpu_workers(tmp_path, capsys):
+    flags = ["--accelerator", "nvidia-h100:8", "--islands", "1", "--hosts-per-island", "1", "--devices-per-host", "8"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["deploy", "k8s", *flags, "--colocated_python", "--output", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert "--colocated_python needs CPU workers" in capsys.readouterr().err
+
+
 def test_committed_manifests_are_fresh(tmp_path):
     """docs/kubernetes is exactly what the documented command writes (the token Secret is never committed)."""
     fresh = deploy(tmp_path, *DOCUMENTED)

@@ -11,11 +11,12 @@ import pathlib
 import re
 
 import nbformat
+import numpy as np
 from nbclient import NotebookClient
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 DOCS_PAGE = NOTEBOOKS.parent / "docs" / "notebooks.md"
-EXECUTED = ["pipeline", "sharing", "multihost", "failures", "profiling"]
+EXECUTED = ["pipeline", "sharing", "multihost", "failures", "profiling", "colocated_input"]
 NOT_EXECUTED = {"cloud": "needs a remote cluster", "quickstart": "tests/test_quickstart.py runs it"}
 
 
@@ -147,3 +148,15 @@ def test_profiling_finds_the_slowest_op_on_both_islands(kernel_installed):
     assert "pw-op" in svg and "pw-execute" in svg
     files = _outputs(_cell(cells, "print(run.trace.xprof_command)"))
     assert "island0-host0.xplane.pb" in files and "island1-host0.xplane.pb" in files
+
+
+def test_colocated_input_trains_from_pipelines_on_the_hosts(kernel_installed):
+    _, cells = _execute("colocated_input")
+    devices = _outputs(_cell(cells, "import jax"))
+    assert "cpu:0 (cpu accelerator) has cpu:4 beside it, on island 0" in devices
+    learned = re.search(r"learned \[([^\]]+)\]", _outputs(_cell(cells, "@jax.jit"))).group(1)
+    assert np.allclose([float(v) for v in learned.split()], [2.0, -3.0, 0.5, 1.0], atol=0.05), learned
+    served = _outputs(_cell(cells, "import psutil"))
+    assert "{0: 40, 1: 40} batches served per island" in served
+    assert served.count("executor pid") == 2  # one per island's host
+    assert "ValueError: refusing a batch of shape (32, 4) on purpose" in _outputs(_cell(cells, "@cp.colocated_python"))

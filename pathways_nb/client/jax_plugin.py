@@ -95,13 +95,13 @@ def make_client():
     os.environ.setdefault(INSECURE_ENV, "true")
     options = ifrt_proxy.ClientConnectionOptions()
     options.connection_timeout_in_seconds = max(1, round(connection_timeout_s()))
-    from pathways_nb.core.session_options import SessionOptions
+    from pathways_nb.core.session_options import SessionOptions, client_versions
 
     requested = session_options if session_options is not None else SessionOptions.from_environment()
     initialization_data = requested.to_initialization_data() if requested is not None else {}
     initialization_data.update(_shared_uploads(target, min(PROBE_TIMEOUT_S, connection_timeout_s())))
-    if initialization_data:
-        options.initialization_data = initialization_data
+    initialization_data.update(client_versions())
+    options.initialization_data = initialization_data
     # No on_disconnect callback: the client calls it from its destructor, which at interpreter
     # exit runs after Python can no longer be entered, and the process aborts.
     return ifrt_proxy.get_client(target, options)

@@ -30,6 +30,8 @@ Register = Callable[[grpc.aio.Server], None]
 class BackgroundServer:
     """Serves what ``register`` adds on ``host:port`` (port 0 picks a free one) until ``stop()``.
 
+    A ``host`` of ``unix:PATH`` serves on that unix socket instead (``port`` is then unused).
+
     ``register(server)`` runs on the loop before the server starts (as the
     generated ``add_XServicer_to_server`` functions expect); ``on_start`` and
     ``on_stop`` run on the loop too. ``credentials`` decide whether callers need
@@ -49,7 +51,8 @@ class BackgroundServer:
     ):
         self.host = host
         self.credentials = credentials or ClusterCredentials()
-        self.credentials.check_bind(host, ", ".join(service_names) or "a gRPC server")
+        if not host.startswith("unix:"):  # (a unix socket is reached through its file's permissions)
+            self.credentials.check_bind(host, ", ".join(service_names) or "a gRPC server")
         self._on_stop = on_stop
         self._stopped = threading.Event()
         self.loop = asyncio.new_event_loop()
@@ -67,9 +70,10 @@ class BackgroundServer:
         register(self._server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        bound = self.credentials.add_port(self._server, f"{host}:{port}")
+        address = host if host.startswith("unix:") else f"{host}:{port}"
+        bound = self.credentials.add_port(self._server, address)
         if bound == 0:
-            raise OSError(f"cannot listen on {host}:{port}; is the port in use?")
+            raise OSError(f"cannot listen on {address}; is the port in use?")
         if on_start is not None:
             await on_start()
         await self._server.start()

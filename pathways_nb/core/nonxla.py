@@ -26,11 +26,12 @@ looks for) and lists the keys this server knows.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from pathways_nb.core.storage import StorageRoot
@@ -48,7 +49,7 @@ PLUGIN_PREFIX = b"__serialized_plugin_program "
 MAX_PROGRAM_BYTES = 4 << 20
 
 # The modules that register kinds (imported on first use, see ``kinds``).
-KIND_MODULES = ("pathways_nb.worker.profiles",)
+KIND_MODULES = ("pathways_nb.worker.profiles", "pathways_nb.worker.colocated")
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,8 @@ class SessionHost:
     island: int
     host_index: int
     device_ids: tuple[int, ...]
+    # The session's colocated CPU devices on this host (a cluster with colocated Python).
+    colocated_device_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -146,6 +149,10 @@ class SessionView:
     proxy_is_host: bool
     # The session's ``runtime_api.DeviceSession``, for kinds that use the proxy's own services.
     runtime: Any = None
+    # The CPU devices beside ``device_ids`` for colocated Python (empty: the cluster runs none).
+    colocated_device_ids: tuple[int, ...] = ()
+    # What the client said of its versions ({"python": ..., "jax": ..., "cloudpickle": ...}, those sent).
+    client_versions: dict[str, str] = field(default_factory=dict)
 
     @property
     def default_device_id(self) -> int:
@@ -175,9 +182,13 @@ class HostContext:
     # How files this host writes are named (``island0-host0``; ``proxy``, ``resource-manager``).
     name: str = "island0-host0"
     tenant: str = ""
+    # The worker's key of the session the program runs for ("" where there is none).
+    session: str = ""
+    # This host's colocated Python (``worker.colocated.ColocatedPython``; None: the cluster runs none).
+    colocated: Any = None
 
-    def for_tenant(self, tenant: str) -> HostContext:
-        return HostContext(self.storage, self.island, self.host_index, self.name, tenant)
+    def for_tenant(self, tenant: str, session: str = "") -> HostContext:
+        return dataclasses.replace(self, tenant=tenant, session=session)
 
 
 class ProgramKind:

@@ -77,15 +77,20 @@ def describe_device(
     host: str,
     ordinal: int,
     name_island: bool,
+    colocation_id: int | None = None,
 ) -> DeviceDescription:
     """A device as ``jax.devices()`` shows it, wherever it is.
 
     As a TPU device names its slice only in a multi-slice job, a device names its island in
     ``repr`` only where ``name_island`` (the cluster has several); ``coords`` is the device's
-    place in its island's mesh: (host, device on the host).
+    place in its island's mesh: (host, device on the host). A device and the CPU device beside it
+    share a ``colocation_id`` (``jax.experimental.colocated_python.colocated_cpu_devices`` pairs them).
     """
     device_class = _DEVICE_CLASS.get(platform, "Device")
     named = f", slice_index={island}" if name_island else ""
+    attributes = {"slice_index": island, "host_index": host_index, "host": host, "coords": [host_index, ordinal]}
+    if colocation_id is not None:
+        attributes["colocation_id"] = colocation_id
     return DeviceDescription(
         id=device_id,
         platform=platform,
@@ -94,7 +99,7 @@ def describe_device(
         to_string=f"{device_class}(id={device_id}{named})",
         local_hardware_id=local_hardware_id,
         memory_kinds=tuple(memory_kinds),
-        attributes={"slice_index": island, "host_index": host_index, "host": host, "coords": [host_index, ordinal]},
+        attributes=attributes,
     )
 
 
@@ -234,6 +239,11 @@ class DeviceSession(Protocol):
 
     @property
     def device_ids(self) -> tuple[int, ...]: ...
+
+    @property
+    def colocated_device_ids(self) -> tuple[int, ...]:
+        """The CPU devices beside ``device_ids`` for colocated Python (addressable, not primary); may be empty."""
+        ...
 
     def release(self) -> None:
         """Frees everything the session holds on its devices, and the devices themselves."""

@@ -31,6 +31,40 @@ SHARED_DIRECTORY, SHARED_SECRET, SHARED_HOST = (
     "pathways_shared_host",
 )
 
+# The client's Python, jax and cloudpickle versions: colocated Python unpickles the client's functions,
+# which only works between equal versions (the executor refuses others, naming both).
+CLIENT_PYTHON, CLIENT_JAX, CLIENT_CLOUDPICKLE = (
+    "pathways_client_python",
+    "pathways_client_jax",
+    "pathways_client_cloudpickle",
+)
+_CLIENT_VERSIONS = {CLIENT_PYTHON: "python", CLIENT_JAX: "jax", CLIENT_CLOUDPICKLE: "cloudpickle"}
+
+
+def client_versions() -> dict[str, bytes]:
+    """This process's versions, as initialization data (cloudpickle's only where it is installed)."""
+    import importlib.metadata
+    import sys
+
+    import jax
+
+    versions = {CLIENT_PYTHON: ".".join(str(n) for n in sys.version_info[:3]), CLIENT_JAX: jax.__version__}
+    try:
+        versions[CLIENT_CLOUDPICKLE] = importlib.metadata.version("cloudpickle")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    return {key: value.encode() for key, value in versions.items()}
+
+
+def read_client_versions(attributes: dict[str, Any]) -> dict[str, str]:
+    """The versions a session's client sent: ``{"python": ..., "jax": ..., "cloudpickle": ...}``."""
+    found = {}
+    for key, name in _CLIENT_VERSIONS.items():
+        value = attributes.get(key)
+        if isinstance(value, bytes):
+            found[name] = value.decode(errors="replace")[:64]
+    return found
+
 
 def shared_memory_key() -> str:
     """sha256 of ``shared_memory.host_key()`` (empty if none): equal for a client and a proxy of one host.

@@ -47,6 +47,11 @@ COORDINATOR_PORT = 29006
 TOKEN_DIRECTORY = "/var/run/pathways"
 TOKEN_KEY = "token"
 TOKEN_FILE = f"{TOKEN_DIRECTORY}/{TOKEN_KEY}"
+# Colocated Python: the worker pod's sidecar (pathways-nb colocated-host) serves on a unix socket
+# in a volume both containers mount, and both share the pod's /dev/shm, where the executors'
+# directories (and the array shards they pass through) live.
+COLOCATED_DIRECTORY = "/var/run/pathways-colocated"
+COLOCATED_SOCKET = f"{COLOCATED_DIRECTORY}/host.sock"
 
 # Files written into the output directory.
 MANIFEST_FILE = "pathways-nb.yaml"
@@ -75,8 +80,15 @@ class Deployment:
     image: str
     name: str = "pathways-nb"
     namespace: str | None = None
+    # Tenants' jax.experimental.colocated_python beside the devices (docs/colocated_python.md).
+    colocated_python: bool = False
 
     def __post_init__(self) -> None:
+        if self.colocated_python and self.accelerator.platform != "cpu":
+            raise ValueError(
+                f"--colocated_python needs CPU workers (--accelerator cpu), not {self.accelerator.name}: "
+                "colocated CPU devices are more devices of a worker's CPU client, which only CPU workers have yet"
+            )
         if min(self.islands, self.hosts_per_island, self.devices_per_host) < 1:
             raise ValueError(
                 f"--islands {self.islands} --hosts-per-island {self.hosts_per_island} --devices-per-host "
@@ -144,6 +156,8 @@ class Deployment:
         ]
         if self.namespace is not None:
             flags.append(f"--namespace {self.namespace}")
+        if self.colocated_python:
+            flags.append("--colocated_python")
         return "pathways-nb deploy k8s " + " ".join(flags)
 
 
@@ -196,6 +210,7 @@ def jobset(deployment: Deployment) -> dict[str, Any]:
             f"--platform={accelerator.platform}",
             f"--devices={d.devices_per_host}",
             *_island_flags(d),
+            *(["--colocated_python", f"--colocated_python_host=unix:{COLOCATED_SOCKET}"] if d.colocated_python else []),
         ],
         port=WORKER_PORT,
         requests=_worker_requests(d),
@@ -213,6 +228,7 @@ def jobset(deployment: Deployment) -> dict[str, Any]:
         job_annotations=(
             {EXCLUSIVE_TOPOLOGY_ANNOTATION: NODE_POOL_LABEL} if accelerator.topology_label is not None else {}
         ),
+        colocated_host=d.colocated_python,
     )
     return {
         "apiVersion": JOBSET_API_VERSION,
@@ -312,8 +328,13 @@ def _replicated_job(
     pods: int = 1,
     job_annotations: dict[str, str] | None = None,
     after: str | None = None,
+    colocated_host: bool = False,
 ) -> dict[str, Any]:
-    """One replicated job: ``replicas`` Indexed Jobs of ``pods`` pods, each running one server."""
+    """One replicated job: ``replicas`` Indexed Jobs of ``pods`` pods, each running one server.
+
+    ``colocated_host``: each pod also runs ``pathways-nb colocated-host`` beside the server, the
+    supervisor of its colocated Python executors (the worker never runs a tenant's code).
+    """
     container: dict[str, Any] = {
         "name": name,
         "image": d.image,
@@ -340,6 +361,25 @@ def _replicated_job(
         pod_spec["nodeSelector"] = node_selector
     pod_spec["containers"] = [container]
     pod_spec["volumes"] = [{"name": "token", "secret": {"secretName": d.token_secret_name, "defaultMode": 0o400}}]
+    if colocated_host:
+        shared = [
+            {"name": "colocated", "mountPath": COLOCATED_DIRECTORY},
+            {"name": "shm", "mountPath": "/dev/shm"},
+        ]
+        container["volumeMounts"].extend(shared)
+        pod_spec["containers"].append(
+            {
+                "name": "colocated-host",
+                "image": d.image,
+                "imagePullPolicy": "IfNotPresent",
+                "command": ["pathways-nb"],
+                "args": ["colocated-host", f"--socket={COLOCATED_SOCKET}", f"--token_file={TOKEN_FILE}"],
+                "resources": {"requests": dict(requests)},
+                "volumeMounts": [{"name": "token", "mountPath": TOKEN_DIRECTORY, "readOnly": True}, *shared],
+            }
+        )
+        pod_spec["volumes"].append({"name": "colocated", "emptyDir": {}})
+        pod_spec["volumes"].append({"name": "shm", "emptyDir": {"medium": "Memory"}})
     job_metadata: dict[str, Any] = {"labels": _labels(d, name)}
     if job_annotations:
         job_metadata["annotations"] = job_annotations

@@ -55,6 +55,10 @@ class LocalCluster:
 
     >>> with LocalCluster(islands=2, devices_per_host=4) as cluster:   # doctest: +SKIP
     ...     pathways_nb.connect(cluster.address)
+
+    ``colocated_python=True`` runs tenants' ``jax.experimental.colocated_python`` beside the
+    devices (off by default; docs/colocated_python.md): each host gets a ``colocated-host`` that
+    starts its sessions' executors with ``colocated_python_executable`` (default: this Python).
     """
 
     def __init__(
@@ -66,12 +70,21 @@ class LocalCluster:
         platform: str = "cpu",
         start: bool = True,
         token: str | None = None,
+        colocated_python: bool = False,
+        colocated_python_executable: str | None = None,
         storage_root: str | os.PathLike[str] | None = None,
     ):
         """``storage_root``: where the workers and the proxy write profiles and checkpoints
         (``pathways_nb.core.storage``); default ``storage/`` in the cluster's own directory, which is
         kept after ``close()`` if anything was written there."""
         self.spec = ClusterSpec(islands, hosts_per_island, devices_per_host, platform)
+        # User Python beside the devices (jax.experimental.colocated_python): off unless asked for.
+        # Each host then gets a colocated host (``pathways-nb colocated-host``) that starts its
+        # executors, with ``colocated_python_executable`` (default: this Python).
+        self.colocated_python = colocated_python
+        self.colocated_python_executable = colocated_python_executable
+        self.colocated_hosts: dict[tuple[int, int], ChildServer] = {}
+        self._colocated_sockets: tempfile.TemporaryDirectory | None = None
         # The cluster's own directory (its storage root by default).
         self.directory = tempfile.mkdtemp(prefix="pathways-nb-cluster-")
         self.storage_root = os.path.abspath(storage_root or os.path.join(self.directory, "storage"))
@@ -118,6 +131,8 @@ class LocalCluster:
                 env=self._child_env,
             )
             self.resource_manager.start(timeout_s)
+            if self.colocated_python:
+                self._start_colocated_hosts(timeout_s)
             for island in range(spec.islands):
                 for host in range(spec.hosts_per_island):
                     self.workers[(island, host)] = self._worker(island, host)
@@ -170,9 +185,35 @@ class LocalCluster:
                 "--storage_root",
                 self.storage_root,
                 *self._island_flags(island),
+                *self._colocated_flags(island, host),
             ],
             env=self._child_env,
         )
+
+    def _start_colocated_hosts(self, timeout_s: float) -> None:
+        """One ``colocated-host`` per host, on a unix socket in a directory of this user only."""
+        self._colocated_sockets = tempfile.TemporaryDirectory(prefix="pathways-nb-colocated-")
+        executable = ["--executor_python", self.colocated_python_executable] if self.colocated_python_executable else []
+        for island in range(self.spec.islands):
+            for host in range(self.spec.hosts_per_island):
+                self.colocated_hosts[(island, host)] = ChildServer(
+                    f"colocated-host-{island}-{host}",
+                    ["colocated-host", "--socket", self._colocated_socket(island, host), *executable],
+                    env=self._child_env,
+                )
+        for colocated in self.colocated_hosts.values():
+            colocated.launch()
+        for colocated in self.colocated_hosts.values():
+            colocated.wait_started(timeout_s)
+
+    def _colocated_socket(self, island: int, host: int) -> str:
+        assert self._colocated_sockets is not None
+        return os.path.join(self._colocated_sockets.name, f"host-{island}-{host}.sock")
+
+    def _colocated_flags(self, island: int, host: int) -> list[str]:
+        if not self.colocated_python:
+            return []
+        return ["--colocated_python", "--colocated_python_host", f"unix:{self._colocated_socket(island, host)}"]
 
     def _island_flags(self, island: int) -> list[str]:
         """Flags that make the hosts of a multi-host island one distributed runtime, led by host 0."""
@@ -204,9 +245,11 @@ class LocalCluster:
         for child in [self.proxy, *self.workers.values()]:
             if child is not None and child.alive():
                 child.process.terminate()
-        for child in [self.proxy, *self.workers.values(), self.resource_manager]:
+        for child in [self.proxy, *self.workers.values(), *self.colocated_hosts.values(), self.resource_manager]:
             if child is not None:
                 child.close()
+        if self._colocated_sockets is not None:
+            self._colocated_sockets.cleanup()
         self._remove_directory_if_unused()
         self.status = Status.closed
         _LIVE.discard(self)
@@ -284,6 +327,8 @@ class LocalCluster:
         self.supervisor.watch(self.resource_manager, keep_port=True)
         for worker in self.workers.values():
             self.supervisor.watch(worker)
+        for colocated in self.colocated_hosts.values():
+            self.supervisor.watch(colocated)
         self.supervisor.watch(self.proxy, keep_port=True)
 
     def _report_exit(self, child: ChildServer, ended: ChildExit) -> None:
@@ -309,7 +354,8 @@ class LocalCluster:
             _LOGGER.info("could not report the end of %s: %s", child.name, error.details())
 
     def processes(self) -> list[ChildServer]:
-        return [c for c in [self.resource_manager, *self.workers.values(), self.proxy] if c is not None]
+        children = [self.resource_manager, *self.colocated_hosts.values(), *self.workers.values(), self.proxy]
+        return [c for c in children if c is not None]
 
     def __repr__(self) -> str:
         where = f" at {self.address}" if self.status is Status.running else ""

@@ -81,9 +81,12 @@ class ClusterSession:
         self.allocation = allocation
         self._lease = lease
         self._released = False
-        self._devices = {d.id: d for d in allocation.devices}
-        self._global_ids = {(d.worker_id, d.local_id): d.id for d in allocation.devices}
-        # A device's place on its host (jaxlib's ids of an island's hosts are offsets in one id space).
+        # Each device's colocated CPU device (a cluster with colocated Python), as a device of its worker.
+        colocated = {d.id: _colocated_device(d) for d in allocation.devices if d.HasField("colocated")}
+        self._devices = {d.id: d for d in [*allocation.devices, *colocated.values()]}
+        self._global_ids = {(d.worker_id, d.local_id): d.id for d in self._devices.values()}
+        # A device's place on its host (jaxlib's ids of an island's hosts are offsets in one id space);
+        # a colocated CPU device has its device's place.
         by_worker: dict[str, list[pb.Device]] = {}
         for device in allocation.devices:
             by_worker.setdefault(device.worker_id, []).append(device)
@@ -92,7 +95,12 @@ class ClusterSession:
             for devices in by_worker.values()
             for ordinal, device in enumerate(sorted(devices, key=lambda d: d.local_id))
         }
+        self._colocation_ids: dict[int, int] = {}
+        for device_id, cpu in colocated.items():
+            self._ordinals[cpu.id] = self._ordinals[device_id]
+            self._colocation_ids[device_id] = self._colocation_ids[cpu.id] = device_id
         self._device_ids = tuple(d.id for d in allocation.devices)
+        self._colocated_device_ids = tuple(cpu.id for cpu in colocated.values())
         self._links: dict[str, WorkerLink] = {}
         self._gangs = itertools.count(1)
         self._lock = threading.Lock()
@@ -103,6 +111,10 @@ class ClusterSession:
     @property
     def device_ids(self) -> tuple[int, ...]:
         return self._device_ids
+
+    @property
+    def colocated_device_ids(self) -> tuple[int, ...]:
+        return self._colocated_device_ids
 
     @property
     def platform(self) -> str:
@@ -127,6 +139,7 @@ class ClusterSession:
                 host=device.worker_address,
                 ordinal=self._ordinals[device.id],
                 name_island=several_islands,
+                colocation_id=self._colocation_ids.get(device.id),
             )
             for device in map(self._device, device_ids)
         ]
@@ -610,6 +623,17 @@ class ClusterSession:
         for link in links:
             link.close()
         lease.cancel()
+
+
+def _colocated_device(device: pb.Device) -> pb.Device:
+    """The CPU device colocated with ``device``, as a device of its own (on the same worker)."""
+    cpu = pb.Device()
+    cpu.CopyFrom(device)
+    cpu.ClearField("colocated")
+    cpu.id, cpu.local_id, cpu.kind = device.colocated.id, device.colocated.local_id, "cpu"
+    cpu.memory_kinds[:] = device.colocated.memory_kinds
+    cpu.local_hardware_id = device.colocated.local_hardware_id
+    return cpu
 
 
 class _HostRun:

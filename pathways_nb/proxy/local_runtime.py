@@ -90,6 +90,7 @@ class LocalSession:
         self.platform = runtime.platform
         self.platform_version = runtime.platform_version
         self.device_ids = runtime.device_ids
+        self.colocated_device_ids = ()  # colocated Python needs a cluster (an executor per worker host)
         self.describe_devices = runtime.describe_devices
         self.default_layout = runtime.default_layout
         self.put = runtime.put

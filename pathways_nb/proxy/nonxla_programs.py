@@ -15,7 +15,7 @@ import logging
 import threading
 from dataclasses import dataclass
 
-from pathways_nb.core import nonxla
+from pathways_nb.core import nonxla, session_options
 from pathways_nb.core.dataflow import ArrayRecord, Pending
 from pathways_nb.protocol.errors import InvalidRequest, RequestError, as_request_error
 from pathways_nb.proxy.dispatch import DEFERRED
@@ -37,14 +37,25 @@ class NonXlaProgram:
 
 def session_view(session) -> nonxla.SessionView:
     """What a kind's proxy half may know of ``session``: its devices grouped by host, its tenant."""
-    devices = session.runtime.describe_devices(session.device_ids)
-    by_host: dict[tuple[int, int], list[int]] = {}
-    for device in devices:
+    colocated = session.runtime.colocated_device_ids
+    by_host: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+    for device in session.runtime.describe_devices(session.device_ids + colocated):
         place = (int(device.attributes.get("slice_index", 0)), int(device.attributes.get("host_index", 0)))
-        by_host.setdefault(place, []).append(device.id)
-    hosts = tuple(nonxla.SessionHost(island, host, tuple(ids)) for (island, host), ids in sorted(by_host.items()))
+        devices, colocated_devices = by_host.setdefault(place, ([], []))
+        (colocated_devices if device.id in colocated else devices).append(device.id)
+    hosts = tuple(
+        nonxla.SessionHost(island, host, tuple(ids), tuple(colocated_ids))
+        for (island, host), (ids, colocated_ids) in sorted(by_host.items())
+    )
     return nonxla.SessionView(
-        session.session_id, session.tenant, session.device_ids, hosts, session.runtime.proxy_is_host, session.runtime
+        session.session_id,
+        session.tenant,
+        session.device_ids,
+        hosts,
+        session.runtime.proxy_is_host,
+        session.runtime,
+        colocated,
+        session_options.read_client_versions(session.init_attributes),
     )
 
 
@@ -121,7 +132,14 @@ def execute(session, loaded: NonXlaProgram, request, op_id):
     session.add_new_arrays(output_handles, outputs, f"the {len(outputs)} result(s) of {plan.name}")
     status = Pending() if options.fill_status else None
     execution = plan.execution()
-    earlier = [record for d in plan.host_device_ids for record in session.latest_work.get(d, ())]
+    earlier = [
+        record
+        for d in plan.host_device_ids
+        for record in (*session.latest_work.get(d, ()), *session.latest_nonxla_work.get(d, ()))
+    ]
+    if outputs:  # the next non-XLA program on these devices runs after this one: the session's order
+        for device_id in plan.host_device_ids:
+            session.latest_nonxla_work[device_id] = outputs
 
     def run() -> list:
         _wait_for(earlier)

@@ -75,6 +75,9 @@ class Session:
         self.programs: dict[int, Any] = {}
         # Per device, the results of the latest XLA program on it: a non-XLA program runs after them.
         self.latest_work: dict[int, list[ArrayRecord]] = {}
+        # Per device, the results of the latest non-XLA program on it: the next one runs after them too
+        # (XLA programs in between do not wait for it, so ``latest_work`` alone would lose the order).
+        self.latest_nonxla_work: dict[int, list[ArrayRecord]] = {}
         self.futures: dict[int, Pending] = {}
         self.lock = threading.RLock()
         self.closed = False
@@ -286,6 +289,7 @@ class Session:
             arrays, self.arrays = self.arrays, {}
             self.programs.clear()
             self.latest_work.clear()
+            self.latest_nonxla_work.clear()
             futures, self.futures = self.futures, {}
         self.host_buffers.close(reason)
         for record in arrays.values():

@@ -92,6 +92,11 @@ class Registry:
             self.topology.check_worker(request.island, request.host_index, request.platform, len(request.devices))
         elif request.island < 0 or request.host_index < 0:
             raise ValueError("island and host index must be >= 0")
+        if request.colocated_devices and len(request.colocated_devices) != len(request.devices):
+            raise ValueError(
+                f"a worker names one colocated CPU device per device: it has {len(request.devices)} devices "
+                f"and {len(request.colocated_devices)} colocated ones"
+            )
         worker_id = f"island{request.island}-host{request.host_index}"
         other = self._by_address.get(request.address)
         if other is not None and other != worker_id and other in self.workers:
@@ -121,6 +126,16 @@ class Registry:
             )
             for device_id, local in zip(entry.device_ids, request.devices, strict=True)
         ]
+        if request.colocated_devices:  # the cluster runs colocated Python
+            for index, (device, cpu) in enumerate(zip(entry.devices, request.colocated_devices, strict=True)):
+                device.colocated.CopyFrom(
+                    pb.ColocatedDevice(
+                        id=self._colocated_id(request.island, request.host_index, index),
+                        local_id=cpu.local_id,
+                        memory_kinds=cpu.memory_kinds,
+                        local_hardware_id=cpu.local_hardware_id,
+                    )
+                )
         previous = self.workers.get(worker_id)
         if previous is not None:
             self._unindex(previous)
@@ -154,6 +169,15 @@ class Registry:
         if self.topology is not None:
             return self.topology.device_id(island, host_index, index)
         key = (island, host_index, index)
+        if key not in self._assigned_ids:
+            self._assigned_ids[key] = len(self._assigned_ids)
+        return self._assigned_ids[key]
+
+    def _colocated_id(self, island: int, host_index: int, index: int) -> int:
+        """The id of the CPU device beside a host's ``index``-th device (with a topology: after every device's)."""
+        if self.topology is not None:
+            return self.topology.devices + self.topology.device_id(island, host_index, index)
+        key = (island, host_index, -1 - index)
         if key not in self._assigned_ids:
             self._assigned_ids[key] = len(self._assigned_ids)
         return self._assigned_ids[key]

@@ -146,6 +146,7 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
             incarnation=entry.incarnation,
             device_ids=entry.device_ids,
             heartbeat_interval_s=self.worker_heartbeat_interval_s(),
+            colocated_device_ids=[d.colocated.id for d in entry.devices if d.HasField("colocated")],
         )
 
     def _heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:

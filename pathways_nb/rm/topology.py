@@ -42,6 +42,11 @@ class Topology:
     def instance_type(self) -> str:
         return f"{self.platform}:{self.hosts_per_island}x{self.devices_per_host}"
 
+    @property
+    def devices(self) -> int:
+        """How many devices the cluster has (colocated CPU devices not counted)."""
+        return self.islands * self.hosts_per_island * self.devices_per_host
+
     def device_id(self, island: int, host_index: int, local_id: int) -> int:
         return (island * self.hosts_per_island + host_index) * self.devices_per_host + local_id
 

@@ -879,3 +879,171 @@ class Worker:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class ColocatedHostStub:
+    """------------------------------------------------------ colocated Python --
+
+    jax.experimental.colocated_python runs the user's Python beside the devices: in an executor per
+    (session, host), a process that the host's supervisor (ColocatedHost) starts, never the worker.
+    The worker asks for its sessions' executors there and calls them (docs/colocated_python.md).
+
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Executor = channel.unary_stream(
+                '/pathways_nb.v1.ColocatedHost/Executor',
+                request_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.ExecutorRequest.SerializeToString,
+                response_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.ExecutorEvent.FromString,
+                _registered_method=True)
+
+
+class ColocatedHostServicer:
+    """------------------------------------------------------ colocated Python --
+
+    jax.experimental.colocated_python runs the user's Python beside the devices: in an executor per
+    (session, host), a process that the host's supervisor (ColocatedHost) starts, never the worker.
+    The worker asks for its sessions' executors there and calls them (docs/colocated_python.md).
+
+    """
+
+    def Executor(self, request, context):
+        """Starts an executor for one session and keeps it for as long as the call lasts: the first event
+        says where it listens; an `exited` event, if it ends by itself (a crash), how and why. Ending
+        the call (the session ended, or its worker died) stops the executor.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ColocatedHostServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Executor': grpc.unary_stream_rpc_method_handler(
+                    servicer.Executor,
+                    request_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.ExecutorRequest.FromString,
+                    response_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.ExecutorEvent.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pathways_nb.v1.ColocatedHost', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pathways_nb.v1.ColocatedHost', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class ColocatedHost:
+    """------------------------------------------------------ colocated Python --
+
+    jax.experimental.colocated_python runs the user's Python beside the devices: in an executor per
+    (session, host), a process that the host's supervisor (ColocatedHost) starts, never the worker.
+    The worker asks for its sessions' executors there and calls them (docs/colocated_python.md).
+
+    """
+
+    @staticmethod
+    def Executor(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pathways_nb.v1.ColocatedHost/Executor',
+            pathways__nb_dot_rpc_dot_cluster__pb2.ExecutorRequest.SerializeToString,
+            pathways__nb_dot_rpc_dot_cluster__pb2.ExecutorEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class ColocatedExecutorStub:
+    """One executor: one session's Python on one host. Calls come one at a time, in the session's order.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Run = channel.unary_unary(
+                '/pathways_nb.v1.ColocatedExecutor/Run',
+                request_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.ColocatedCall.SerializeToString,
+                response_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.ColocatedResult.FromString,
+                _registered_method=True)
+
+
+class ColocatedExecutorServicer:
+    """One executor: one session's Python on one host. Calls come one at a time, in the session's order.
+    """
+
+    def Run(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ColocatedExecutorServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Run': grpc.unary_unary_rpc_method_handler(
+                    servicer.Run,
+                    request_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.ColocatedCall.FromString,
+                    response_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.ColocatedResult.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pathways_nb.v1.ColocatedExecutor', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pathways_nb.v1.ColocatedExecutor', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class ColocatedExecutor:
+    """One executor: one session's Python on one host. Calls come one at a time, in the session's order.
+    """
+
+    @staticmethod
+    def Run(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pathways_nb.v1.ColocatedExecutor/Run',
+            pathways__nb_dot_rpc_dot_cluster__pb2.ColocatedCall.SerializeToString,
+            pathways__nb_dot_rpc_dot_cluster__pb2.ColocatedResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -174,6 +174,16 @@ def wait_until_sessions_end(
         observer.close()
 
 
+def other_users_python() -> str | None:
+    """A Python of this one's version that users other than this one can run, where this process is root.
+
+    Colocated Python executors run as users of their own only with such an interpreter (a venv
+    under ``/root`` is closed to them): tests pass it as ``colocated_python_executable``.
+    """
+    candidate = f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"
+    return candidate if os.geteuid() == 0 and os.access(candidate, os.X_OK) else None
+
+
 def python_process(code: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     """``python -c code args...`` with pipes, and without this process's JAX settings."""
     environment = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}

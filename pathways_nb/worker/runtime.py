@@ -47,6 +47,10 @@ from pathways_nb.worker.program_check import ProgramChecker
 _LOGGER = logging.getLogger(__name__)
 
 MEMORY_KINDS = ("device", "pinned_host", "unpinned_host")
+# The kind of a colocated-Python worker's CPU devices that are not colocated ones. jax pairs a device
+# with the device of kind "cpu" that shares its colocation_id (colocated_cpu_devices), so the devices
+# that stand for accelerators must have another kind, or each would pair with itself as well.
+CPU_ACCELERATOR_KIND = "cpu accelerator"
 
 
 def configure_jax(platform: str | None, num_devices: int | None) -> None:
@@ -72,12 +76,27 @@ class Program(ProgramInfo):
 
 
 class LocalRuntime:
-    """This process's XLA devices, addressed by their jaxlib device ids."""
+    """This process's XLA devices, addressed by their jaxlib device ids.
+
+    With ``colocated_python``, every device has a CPU device beside it (``colocated_devices``, in
+    the same order) for the arrays of the user's Python (``jax.experimental.colocated_python``).
+    Only CPU workers have them yet: they are more devices of the same CPU client.
+    """
 
     def __init__(
-        self, platform: str | None = None, num_devices: int | None = None, island: IslandMembership | None = None
+        self,
+        platform: str | None = None,
+        num_devices: int | None = None,
+        island: IslandMembership | None = None,
+        colocated_python: bool = False,
     ):
-        configure_jax(platform, num_devices)
+        if colocated_python and platform != "cpu":
+            raise ValueError(
+                f"colocated Python needs CPU workers (--platform cpu), got --platform {platform or 'auto'}: "
+                "a worker's colocated CPU devices are more devices of its CPU client"
+            )
+        count = num_devices or 1
+        configure_jax(platform, 2 * count if colocated_python else num_devices)
         import jax
 
         if island is not None:
@@ -85,10 +104,13 @@ class LocalRuntime:
         jaxlib_kernels.prepare()
         # This host's devices; in an island of several hosts, programs and shardings also name the
         # other hosts' devices (one id space for the island's distributed runtime).
-        self.devices = sorted(jax.local_devices(), key=lambda d: d.id)
+        local = sorted(jax.local_devices(), key=lambda d: d.id)
+        self.devices = local[:count] if colocated_python else local
+        self.colocated_devices = local[count:] if colocated_python else []
         self.client = self.devices[0].client
         self._by_id = {d.id: d for d in jax.devices()}
-        self._local_ids = frozenset(d.id for d in self.devices)
+        self._local_ids = frozenset(d.id for d in local)
+        self._colocated_ids = frozenset(d.id for d in self.colocated_devices)
         self.timer = ExecutionTimer()
         # Programs are read in a child process first: a corrupted one must not abort this server.
         self.program_checker = ProgramChecker()
@@ -96,6 +118,11 @@ class LocalRuntime:
     @property
     def device_ids(self) -> tuple[int, ...]:
         return tuple(d.id for d in self.devices)
+
+    @property
+    def colocated_device_ids(self) -> tuple[int, ...]:
+        """The CPU devices beside ``device_ids`` (one each, same order); empty without colocated Python."""
+        return tuple(d.id for d in self.colocated_devices)
 
     # -- devices ---------------------------------------------------------------------------
 
@@ -132,17 +159,29 @@ class LocalRuntime:
                 describe_device(
                     device.id,
                     self.platform,
-                    device.device_kind,
+                    self._kind(device),
                     device.id if hardware_id is None else hardware_id,
                     self.memory_kinds(device),
                     island=0,
                     host_index=0,
                     host=socket.gethostname(),
-                    ordinal=self.devices.index(device),
+                    ordinal=self._ordinal(device),
                     name_island=False,
                 )
             )
         return descriptions
+
+    def _ordinal(self, device) -> int:
+        """The device's place on this host (a colocated CPU device has its device's)."""
+        if device.id in self._colocated_ids:
+            return self.colocated_devices.index(device)
+        return self.devices.index(device)
+
+    def _kind(self, device) -> str:
+        """The device's kind; with colocated CPU devices, the others are not "cpu" (see ``CPU_ACCELERATOR_KIND``)."""
+        if self._colocated_ids and device.id not in self._colocated_ids:
+            return CPU_ACCELERATOR_KIND
+        return device.device_kind
 
     def default_layout(self, dtype: np.dtype, dims: Sequence[int], device_id: int, memory_kind: str = "") -> bytes:
         """How the device stores an array of this shape, serialized as the IFRT client reads it."""

@@ -23,6 +23,7 @@ from pathways_nb.core.security import ClusterCredentials
 from pathways_nb.core.storage import StorageRoot, default_root
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
+from pathways_nb.worker.colocated import ColocatedPython
 from pathways_nb.worker.runtime import LocalRuntime
 from pathways_nb.worker.service import SERVICE_NAME, WorkerService, local_devices
 
@@ -45,6 +46,7 @@ class WorkerServer:
         advertise_address: str | None = None,
         register_timeout_s: float = 60.0,
         credentials: ClusterCredentials | None = None,
+        colocated_python_host: str | None = None,
         storage: StorageRoot | None = None,
     ):
         """``storage``: where the non-XLA programs clients send (profiles, checkpoints) write."""
@@ -55,8 +57,12 @@ class WorkerServer:
         # resource manager (its arrays are still here), new for every new process.
         self.incarnation = 1 + secrets.randbits(62)
         name = f"island{island}-host{host_index}"
-        place = HostContext(storage or StorageRoot(default_root()), island, host_index, name)
-        self.service = WorkerService(runtime, credentials=credentials, host=place)
+        colocated = None
+        if colocated_python_host:
+            where = f"island {island} host {host_index}"
+            colocated = ColocatedPython(runtime, colocated_python_host, credentials, where)
+        place = HostContext(storage or StorageRoot(default_root()), island, host_index, name, colocated=colocated)
+        self.service = WorkerService(runtime, credentials=credentials, host=place, colocated=colocated)
         self._server = BackgroundServer(
             lambda server: cluster_pb2_grpc.add_WorkerServicer_to_server(self.service, server),
             [SERVICE_NAME],
@@ -79,7 +85,8 @@ class WorkerServer:
             host_index=self.host_index,
             platform=self.runtime.platform,
             platform_version=self.runtime.platform_version,
-            devices=local_devices(self.runtime),
+            devices=local_devices(self.runtime, self.runtime.device_ids),
+            colocated_devices=local_devices(self.runtime, self.runtime.colocated_device_ids),
             hostname=socket.gethostname(),
             pid=os.getpid(),
             incarnation=self.incarnation,
@@ -90,6 +97,8 @@ class WorkerServer:
             try:
                 response = self._rm.RegisterWorker(request, timeout=5)
                 _LOGGER.info("registered as %s with devices %s", response.worker_id, list(response.device_ids))
+                if self.service.colocated is not None:
+                    self.service.colocated.registered(response.colocated_device_ids)
                 return response
             except grpc.RpcError as error:
                 if error.code() == grpc.StatusCode.INVALID_ARGUMENT or time.monotonic() > deadline:

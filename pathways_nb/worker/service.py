@@ -26,6 +26,7 @@ from pathways_nb.core.storage import StorageRoot, default_root
 from pathways_nb.protocol.errors import RequestError, as_request_error
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
+from pathways_nb.worker.colocated import ColocatedPython
 from pathways_nb.worker.gang import IslandOrder
 from pathways_nb.worker.programs import Programs
 from pathways_nb.worker.runtime import LocalRuntime
@@ -107,10 +108,13 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
         threads: int = 8,
         credentials: ClusterCredentials | None = None,
         host: HostContext | None = None,
+        colocated: ColocatedPython | None = None,
     ):
         self.runtime = runtime
         # This host's place and storage root, for the non-XLA programs it runs.
         self.host = host or HostContext(StorageRoot(default_root()))
+        # Colocated Python (None: off): the sessions' executors, which the host's supervisor starts.
+        self.colocated = colocated
         self.credentials = credentials or ClusterCredentials()
         self.programs = Programs(runtime)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="pathways-worker")
@@ -188,6 +192,8 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
             reader.cancel()
             self.sessions.pop(key, None)
             session.close()
+            if self.colocated is not None:
+                self.colocated.end_session(key)
             _LOGGER.info("session %s closed", key)
 
     async def PushArray(self, request_iterator, context):
@@ -284,10 +290,13 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
     def close(self) -> None:
         for session in list(self.sessions.values()):
             session.close()
+        if self.colocated is not None:
+            self.colocated.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-def local_devices(runtime: LocalRuntime) -> list[pb.LocalDevice]:
+def local_devices(runtime: LocalRuntime, device_ids) -> list[pb.LocalDevice]:
+    """``device_ids`` of ``runtime`` as the worker registers them."""
     return [
         pb.LocalDevice(
             local_id=d.id,
@@ -296,5 +305,5 @@ def local_devices(runtime: LocalRuntime) -> list[pb.LocalDevice]:
             local_hardware_id=d.local_hardware_id,
             debug_string=d.debug_string,
         )
-        for d in runtime.describe_devices([device.id for device in runtime.devices])
+        for d in runtime.describe_devices(device_ids)
     ]

@@ -512,7 +512,7 @@ class WorkerSession:
             raise InvalidRequest(f"{len(command.results)} result ids for {len(command.result_metas)} result specs")
         results = [self._new(i, meta) for i, meta in zip(command.results, command.result_metas, strict=True)]
         specs = [nonxla.ResultSpec(r.kind, r.shape, r.sharding) for r in results]
-        context = self._host.for_tenant(command.tenant or self.key)
+        context = self._host.for_tenant(command.tenant or self.key, self.key)
 
         def run() -> list:
             pieces = [[record.live() for record in argument] for argument in args]

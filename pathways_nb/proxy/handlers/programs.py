@@ -147,7 +147,8 @@ def compile_program(session, request, op_id):
         raise InvalidRequest(f"malformed compile options: {e}") from e
     device_ids = _assignment_devices(options)
     _check_options(options)
-    unknown = [d for d in device_ids if d not in session.device_ids]
+    held = {*session.device_ids, *session.runtime.colocated_device_ids}
+    unknown = [d for d in device_ids if d not in held]
     if unknown:
         raise InvalidRequest(f"the program is assigned to devices {unknown}, which this session does not hold")
     program_bytes = request.program.data

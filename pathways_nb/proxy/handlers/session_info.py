@@ -36,7 +36,8 @@ def _describe(session, runtime):
         process_index=0,
         runtime_type=RUNTIME_TYPE,
     )
-    for device in runtime.describe_devices(runtime.device_ids):
+    # Colocated CPU devices (colocated Python) are addressable but not primary: jax.devices() stays as it was.
+    for device in runtime.describe_devices(runtime.device_ids + runtime.colocated_device_ids):
         memory_ids = [device.id * len(MEMORY_KINDS) + MEMORY_KINDS.index(kind) for kind in device.memory_kinds]
         proto = response.all_devices.add(
             id=device.id,
@@ -62,7 +63,7 @@ def _describe(session, runtime):
                 to_string=f"{kind}:{device.id}",
             )
     response.primary_device_ids.extend(runtime.device_ids)
-    response.addressable_device_ids.extend(runtime.device_ids)
+    response.addressable_device_ids.extend(runtime.device_ids + runtime.colocated_device_ids)
     attributes.fill(response.client_attributes, {"pathways_nb_version": __version__})
     return response
 

@@ -1,0 +1,361 @@
+"""The colocated Python executors of one host, started for its worker's sessions, never inside the worker.
+
+``pathways-nb colocated-host`` runs beside each worker (``LocalCluster(colocated_python=True)``
+and ``pathways-nb up --colocated_python`` start one per host; on Kubernetes it is a sidecar
+container of the worker's pod, sharing its ``/dev/shm``). The worker holds one
+``ColocatedHost.Executor`` call per session that runs colocated Python: the host starts an
+executor (``python -m pathways_nb.executor``) for it, says where it listens, reports it if it
+dies, and stops it when the call ends: the session ended, or its worker died.
+
+Each executor runs a tenant's code, so it gets as little as the host can give it:
+
+- a user of its own (a fresh uid and gid, no supplementary groups) where this process may switch
+  users (it runs as root) and the executor's Python is readable by other users; otherwise the
+  host's own user, with a warning that tenants are then not kept apart;
+- its own directory (its home, working and temporary directory, and where array shards pass
+  through), mode 0700, removed when it ends, with every process left running as its user;
+- an environment of its own: no cluster token, nothing of the host's environment but ``PATH``.
+
+The host's socket lives in a directory of the cluster's user and its calls need the cluster token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import secrets
+import shutil
+import signal
+import site
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import psutil
+
+from pathways_nb.core import shared_memory
+from pathways_nb.core.aio_server import BackgroundServer
+from pathways_nb.core.security import ClusterCredentials
+from pathways_nb.launch.processes import exit_description
+from pathways_nb.rpc import cluster_pb2 as pb
+from pathways_nb.rpc import cluster_pb2_grpc
+
+_LOGGER = logging.getLogger(__name__)
+
+SERVICE_NAME = "pathways_nb.v1.ColocatedHost"
+# How long a new executor may take to serve (it imports jax) before it counts as failed.
+START_TIMEOUT_S = 120.0
+# How long a stopping executor gets between SIGTERM and SIGKILL.
+STOP_GRACE_S = 5.0
+# Executors' users: uids (and gids) from here on, one per executor while it runs.
+DEFAULT_UID_BASE = 1_500_000_000
+UID_RANGE = 1 << 24
+LOG_TAIL_LINES = 20
+
+
+@dataclass(frozen=True)
+class ExecutorPolicy:
+    """How this host runs executors: which Python, and whether each as a user of its own."""
+
+    python: str
+    separate_users: bool
+    uid_base: int = DEFAULT_UID_BASE
+
+
+def choose_policy(python: str | None = None, uid_base: int = DEFAULT_UID_BASE) -> ExecutorPolicy:
+    """Separate users where this process may switch users and they can run ``python``; else its own user."""
+    python = python or sys.executable
+    if os.geteuid() != 0:
+        _LOGGER.warning(
+            "colocated Python executors run as this host's own user (%d): only root can give each a user of "
+            "its own, so tenants' code is not kept apart from each other or from this cluster's files. "
+            "Use it for one tenant, or run the host as root",
+            os.getuid(),
+        )
+        return ExecutorPolicy(python, separate_users=False, uid_base=uid_base)
+    problem = _probe_as_other_user(python, uid_base + UID_RANGE - 1)
+    if problem:
+        _LOGGER.warning(
+            "colocated Python executors run as root: a user of their own cannot run %s (%s). Install Python "
+            "where every user can read it (e.g. /usr/local), or pass --executor_python; until then tenants' "
+            "code is not kept apart",
+            python,
+            problem,
+        )
+        return ExecutorPolicy(python, separate_users=False, uid_base=uid_base)
+    return ExecutorPolicy(python, separate_users=True, uid_base=uid_base)
+
+
+def _probe_as_other_user(python: str, uid: int) -> str:
+    """Why a user other than this one cannot run an executor with ``python`` ("" if it can)."""
+    try:
+        result = subprocess.run(
+            [python, "-m", "pathways_nb.executor", "--user", str(uid), "--probe"],
+            env=_executor_env(Path("/")),
+            cwd="/",
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    except (OSError, subprocess.SubprocessError) as error:
+        return str(error)
+    if result.returncode == 0:
+        return ""
+    lines = result.stderr.strip().splitlines()
+    return lines[-1] if lines else exit_description(result.returncode)
+
+
+def _executor_env(directory: Path) -> dict[str, str]:
+    """An executor's whole environment: none of the host's (its cluster token least of all)."""
+    import pathways_nb
+
+    package_parent = str(Path(pathways_nb.__file__).resolve().parent.parent)
+    # Another interpreter than this one (--executor_python) still finds this installation.
+    paths = [package_parent, *site.getsitepackages()]
+    return {
+        "PATH": os.environ.get("PATH", os.defpath),
+        "HOME": str(directory),
+        "TMPDIR": str(directory),
+        "LANG": "C.UTF-8",
+        "PYTHONPATH": os.pathsep.join(paths),
+        "PYTHONNOUSERSITE": "1",
+        "JAX_PLATFORMS": "cpu",
+    }
+
+
+class UserPool:
+    """Users for executors: a uid (and gid of the same number) held by one executor at a time.
+
+    Held across the processes of this machine by a file per uid (created exclusively, holding the
+    pid of its host), so that two hosts on one machine never give one user to two tenants; a file
+    whose host died is taken over.
+    """
+
+    def __init__(self, base: int, directory: Path):
+        self.base = base
+        self.directory = directory
+        directory.mkdir(mode=0o700, exist_ok=True)
+
+    def take(self) -> int:
+        for _ in range(1000):
+            uid = self.base + secrets.randbelow(UID_RANGE)
+            marker = self.directory / str(uid)
+            try:
+                descriptor = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileExistsError:
+                if not self._holder_alive(marker):
+                    marker.unlink(missing_ok=True)
+                continue
+            with os.fdopen(descriptor, "w") as file:
+                file.write(str(os.getpid()))
+            return uid
+        raise RuntimeError(f"no free executor user among {UID_RANGE} from {self.base}")
+
+    def give_back(self, uid: int) -> None:
+        (self.directory / str(uid)).unlink(missing_ok=True)
+
+    @staticmethod
+    def _holder_alive(marker: Path) -> bool:
+        try:
+            return psutil.pid_exists(int(marker.read_text() or "0"))
+        except (OSError, ValueError):
+            return True
+
+
+@dataclass(eq=False)
+class _Executor:
+    """One running executor and what goes when it ends."""
+
+    process: asyncio.subprocess.Process
+    uid: int
+    directory: Path
+    log_path: Path
+
+    def log_tail(self) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-LOG_TAIL_LINES:])
+
+
+class ColocatedHostService(cluster_pb2_grpc.ColocatedHostServicer):
+    """Starts, watches and stops this host's executors (see the module's docstring)."""
+
+    def __init__(self, policy: ExecutorPolicy, root: Path):
+        self.policy = policy
+        self.root = root
+        # Executors' output, on disk (not the shared memory their shards use), for the tail of a crash.
+        self._logs = Path(tempfile.mkdtemp(prefix="pathways-nb-executor-logs-"))
+        private = shared_memory.private_root()
+        if policy.separate_users and private is None:
+            raise RuntimeError("no private directory to hold the executors' users in (see PATHWAYS_SHM_ROOT)")
+        # Held in this user's private root (mode 0700): nobody else may take or free a user.
+        self._users = UserPool(policy.uid_base, (private or root) / "executor-users")
+        self._names = itertools.count()
+        self._running: set[_Executor] = set()
+
+    async def Executor(self, request: pb.ExecutorRequest, context):
+        try:
+            executor = await self._start(request)
+        except (OSError, RuntimeError) as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+        self._running.add(executor)
+        try:
+            yield pb.ExecutorEvent(
+                started=pb.ExecutorStarted(
+                    address=f"unix:{executor.directory / 'executor.sock'}",
+                    directory=str(executor.directory),
+                    pid=executor.process.pid,
+                    uid=executor.uid,
+                )
+            )
+            returncode = await executor.process.wait()
+            ended = pb.ExecutorExit(description=exit_description(returncode), log_tail=executor.log_tail())
+            _LOGGER.warning("the executor of session %s %s:\n%s", request.session, ended.description, ended.log_tail)
+            yield pb.ExecutorEvent(exited=ended)
+        finally:
+            self._running.discard(executor)
+            await self._stop(executor)
+
+    async def _start(self, request: pb.ExecutorRequest) -> _Executor:
+        name = f"executor-{os.getpid()}-{next(self._names)}"
+        uid = self._users.take() if self.policy.separate_users else os.getuid()
+        directory = self.root / name
+        directory.mkdir(mode=0o700)
+        log_path = self._logs / f"{name}.log"
+        read, write = os.pipe()
+        try:
+            if uid != os.getuid():
+                os.chown(directory, uid, uid)
+            with open(log_path, "wb") as log:
+                process = await asyncio.create_subprocess_exec(
+                    self.policy.python,
+                    "-m",
+                    "pathways_nb.executor",
+                    "--socket",
+                    str(directory / "executor.sock"),
+                    "--directory",
+                    str(directory),
+                    "--devices",
+                    ",".join(str(i) for i in request.device_ids),
+                    "--parent",
+                    str(os.getpid()),
+                    "--ready_fd",
+                    str(write),
+                    *(["--user", str(uid)] if uid != os.getuid() else []),
+                    # Started as this user: it changes users itself (see pathways_nb.executor.__main__).
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=_executor_env(directory),
+                    cwd=directory,
+                    pass_fds=(write,),
+                    start_new_session=True,
+                    # Files it writes elsewhere (a checkpoint) are readable by a later session's executor, as
+                    # files usually are; its own directory stays closed (0700).
+                    umask=0o022,
+                )
+        except BaseException:
+            os.close(read)
+            os.close(write)
+            self._clean_up(uid, directory)
+            raise
+        os.close(write)
+        executor = _Executor(process, uid, directory, log_path)
+        if not await _ready(read):
+            await self._stop(executor)
+            how = exit_description(executor.process.returncode)
+            raise RuntimeError(f"the executor did not start ({how}); its output:\n{executor.log_tail()}")
+        _LOGGER.info("executor for session %s (tenant %s) started as uid %d", request.session, request.tenant, uid)
+        return executor
+
+    async def _stop(self, executor: _Executor) -> None:
+        """Ends the executor (SIGTERM, then SIGKILL) and everything it left: processes, files, its user."""
+        process = executor.process
+        if process.returncode is None:
+            process.terminate()
+            try:
+                await asyncio.wait_for(process.wait(), STOP_GRACE_S)
+            except asyncio.TimeoutError:
+                process.kill()
+                await process.wait()
+        _kill_leftovers(process.pid, executor.uid if self.policy.separate_users else None)
+        self._clean_up(executor.uid, executor.directory)
+        executor.log_path.unlink(missing_ok=True)
+
+    def _clean_up(self, uid: int, directory: Path) -> None:
+        shutil.rmtree(directory, ignore_errors=True)
+        if self.policy.separate_users:
+            self._users.give_back(uid)
+
+    async def stop_all(self) -> None:
+        await asyncio.gather(*(self._stop(executor) for executor in list(self._running)))
+        shutil.rmtree(self.root, ignore_errors=True)
+        shutil.rmtree(self._logs, ignore_errors=True)
+
+
+async def _ready(read: int) -> bool:
+    """Whether the executor wrote its ready line on the pipe ``read`` (closed here) in time.
+
+    An executor that dies first closes its end: the read then finds nothing.
+    """
+    loop = asyncio.get_running_loop()
+    line = loop.create_future()
+
+    def readable() -> None:
+        if not line.done():
+            line.set_result(os.read(read, 64))
+
+    loop.add_reader(read, readable)
+    try:
+        return bool(await asyncio.wait_for(line, START_TIMEOUT_S))
+    except asyncio.TimeoutError:
+        return False
+    finally:
+        loop.remove_reader(read)
+        os.close(read)
+
+
+def _kill_leftovers(process_group: int, uid: int | None) -> None:
+    """SIGKILLs what an executor started and left running: its process group, and every process of its user."""
+    try:
+        os.killpg(process_group, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    if uid is None:
+        return
+    for process in psutil.process_iter(["uids"]):
+        uids = process.info.get("uids")
+        if uids is not None and uid in (uids.real, uids.effective):
+            try:
+                process.kill()
+            except psutil.Error:
+                pass
+
+
+class ColocatedHostServer:
+    """Serves ``ColocatedHost`` on the unix socket ``socket_path`` until ``stop()``."""
+
+    def __init__(self, socket_path: str, policy: ExecutorPolicy, credentials: ClusterCredentials | None = None):
+        parent = Path(os.environ.get("PATHWAYS_SHM_ROOT") or "/dev/shm")
+        # Executors' directories: others may pass through (an executor reaches its own) but not list.
+        root = Path(tempfile.mkdtemp(prefix=f"pathways-nb-executors-{os.getpid()}-", dir=parent))
+        root.chmod(0o711)
+        self.service = ColocatedHostService(policy, root)
+        self._server = BackgroundServer(
+            lambda server: cluster_pb2_grpc.add_ColocatedHostServicer_to_server(self.service, server),
+            [SERVICE_NAME],
+            host=f"unix:{socket_path}",
+            on_stop=self.service.stop_all,
+            credentials=credentials,
+        )
+        self.port = 0  # (a unix socket: what ``pathways-nb``'s launchers read from --port_file)
+
+    def stop(self, grace_s: float | None = 1.0) -> None:
+        self._server.stop(grace_s)

@@ -1,0 +1,253 @@
+"""The worker's side of colocated Python: one executor per session, asked of the host's supervisor.
+
+The worker never runs a tenant's Python: it asks its host's ``ColocatedHost`` for an executor the
+first time a session runs a colocated program, keeps that ``Executor`` call open for the
+session's life (ending it stops the executor), and sends the session's calls to the executor one
+at a time, in order. An executor that dies fails the call it was running with what the host saw
+(signal or exit status, its last output); the next call starts a new one. Nothing an executor
+does reaches the worker but its answers (parsed messages) and the files it names in its own
+directory, which the worker reads without mapping them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from pathways_nb.core import colocated_arrays
+from pathways_nb.core.security import ClusterCredentials
+from pathways_nb.protocol.errors import FailedPrecondition, InvalidRequest, RequestError, Unavailable
+from pathways_nb.rpc import cluster_pb2 as pb
+from pathways_nb.rpc import cluster_pb2_grpc
+
+_LOGGER = logging.getLogger(__name__)
+
+# How long a failed call waits for the host to say how its executor ended.
+EXIT_REPORT_WAIT_S = 10.0
+# Shards go through files; what rides in an answer is small (strings, small shards, or the bytes of a
+# shard whose file could not be written), and the worker takes no more than this from a tenant's process.
+MAX_ANSWER_BYTES = 256 << 20
+_MESSAGE_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", MAX_ANSWER_BYTES)]
+
+
+class ExecutorDied(RequestError):
+    """The session's executor ended during a call: the call fails, the next one starts a new executor.
+
+    ABORTED, not DATA_LOSS: pathwaysutils' elastic mode would read DATA_LOSS as a slice that went down.
+    """
+
+    code = 10  # ABORTED
+
+
+@dataclass(frozen=True)
+class ResultShape:
+    """What a result must be: dtype kind, global shape, and the shape of each of its shards."""
+
+    kind: int
+    shape: tuple[int, ...]
+    shard_shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ArrayShards:
+    """One array for (or from) an executor: its dtype kind, global shape, and this host's shards by device."""
+
+    kind: int
+    shape: tuple[int, ...]
+    shards: dict[int, np.ndarray]  # cluster id of a colocated CPU device -> its shard
+
+
+@dataclass(eq=False)
+class _Running:
+    """A started executor: where it listens, and how it ended once the host says so."""
+
+    events: grpc.Future  # the host's Executor call (a stream of events)
+    started: pb.ExecutorStarted
+    channel: grpc.Channel
+    stub: cluster_pb2_grpc.ColocatedExecutorStub
+    programs: set[bytes] = field(default_factory=set)  # digests of the programs it has loaded
+    exit: pb.ExecutorExit | None = None
+    ended: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def directory(self) -> Path:
+        return Path(self.started.directory)
+
+
+class SessionExecutor:
+    """One session's executor on this host (``device_ids``: the cluster ids of the host's colocated CPU devices)."""
+
+    def __init__(
+        self,
+        host: cluster_pb2_grpc.ColocatedHostStub,
+        session: str,
+        tenant: str,
+        device_ids: Sequence[int],
+        describe_host: str,
+    ):
+        self._host = host
+        self._request = pb.ExecutorRequest(session=session, tenant=tenant, device_ids=device_ids)
+        self._describe_host = describe_host
+        self._lock = threading.Lock()  # one call at a time: the session's order
+        self._running: _Running | None = None
+        self._closed = False
+
+    def run(
+        self,
+        name: str,
+        digest: bytes,
+        text: bytes,
+        args: Sequence[ArrayShards],
+        results: Sequence[ResultShape],
+        client: dict[str, str],
+    ) -> list[ArrayShards]:
+        """Runs one program on the executor (started if needed); its results, or a ``RequestError``.
+
+        Each result is checked against ``results`` before its bytes are read.
+        """
+        with self._lock:
+            if self._closed:
+                raise FailedPrecondition("the session ended: its colocated Python executor is gone")
+            running = self._running or self._start()
+            call = pb.ColocatedCall(
+                name=name,
+                program_digest=digest,
+                program=b"" if digest in running.programs else text,
+                client_python=client.get("python", ""),
+                client_jax=client.get("jax", ""),
+                client_cloudpickle=client.get("cloudpickle", ""),
+            )
+            owner = running.started.uid
+            for arg in args:
+                message = call.args.add(dtype_kind=arg.kind, shape=arg.shape)
+                for device_id, host in arg.shards.items():
+                    message.shards.append(colocated_arrays.encode(device_id, host, running.directory, owner))
+            try:
+                result = running.stub.Run(call)
+            except grpc.RpcError as error:
+                raise self._lost(running, name, error) from None
+            running.programs.add(digest)
+            if result.HasField("error"):
+                failure = RequestError(result.error.message)
+                failure.code = result.error.code
+                raise failure
+            if len(result.results) != len(results):
+                raise InvalidRequest(
+                    f"{name} returned {len(result.results)} arrays, its output specs say {len(results)}"
+                )
+            return [
+                self._decoded(output, expected, running.directory)
+                for output, expected in zip(result.results, results, strict=True)
+            ]
+
+    @staticmethod
+    def _decoded(output: pb.ColocatedArray, expected: ResultShape, directory: Path) -> ArrayShards:
+        if output.dtype_kind != expected.kind or tuple(output.shape) != expected.shape:
+            raise InvalidRequest(
+                f"a result of kind {output.dtype_kind} {list(output.shape)}; the output spec says kind "
+                f"{expected.kind} {list(expected.shape)}"
+            )
+        shards = {
+            shard.device_id: colocated_arrays.decode(shard, expected.kind, directory, False, expected.shard_shape)
+            for shard in output.shards
+        }
+        return ArrayShards(expected.kind, expected.shape, shards)
+
+    def _start(self) -> _Running:
+        try:
+            events = self._host.Executor(self._request)
+            first = next(events)
+        except grpc.RpcError as error:
+            raise Unavailable(
+                f"the colocated Python host of {self._describe_host} could not start an executor: {error.details()}"
+            ) from None
+        if not first.HasField("started"):
+            events.cancel()
+            raise Unavailable(f"the colocated Python host of {self._describe_host} did not start an executor")
+        channel = grpc.insecure_channel(first.started.address, options=_MESSAGE_OPTIONS)
+        running = _Running(events, first.started, channel, cluster_pb2_grpc.ColocatedExecutorStub(channel))
+        threading.Thread(
+            target=self._follow, args=(running,), name=f"pathways-executor-{first.started.pid}", daemon=True
+        ).start()
+        self._running = running
+        _LOGGER.info("session %s: colocated Python executor pid %d", self._request.session, first.started.pid)
+        return running
+
+    def _follow(self, running: _Running) -> None:
+        """Reads the host's events until the call ends: an ``exited`` one says how the executor died."""
+        try:
+            for event in running.events:
+                if event.HasField("exited"):
+                    running.exit = event.exited
+        except grpc.RpcError:
+            pass
+        running.ended.set()
+
+    def _lost(self, running: _Running, name: str, error: grpc.RpcError) -> RequestError:
+        """The error for a call whose executor stopped answering; the next call starts a new executor."""
+        running.ended.wait(EXIT_REPORT_WAIT_S)
+        self._end(running)
+        if running.exit is None:
+            how = f"stopped answering ({error.code().name}: {error.details()})"
+            tail = ""
+        else:
+            how, tail = running.exit.description, running.exit.log_tail
+        return ExecutorDied(
+            f"the colocated Python executor of this session on {self._describe_host} {how} while running {name}; "
+            "its objects and globals are gone, and the next call starts a new executor"
+            + (f". Its last output:\n{tail}" if tail else "")
+        )
+
+    def _end(self, running: _Running) -> None:
+        running.events.cancel()
+        running.channel.close()
+        if self._running is running:
+            self._running = None
+
+    def close(self) -> None:
+        """Stops the executor (the host ends it when its call ends); later calls are refused."""
+        self._closed = True
+        running = self._running
+        if running is not None:
+            self._end(running)
+
+
+class ColocatedHostLink:
+    """The worker's channel to its host's ``ColocatedHost`` (``unix:PATH``), and its sessions' executors."""
+
+    def __init__(self, address: str, credentials: ClusterCredentials, describe_host: str):
+        self.address = address
+        self._channel = credentials.channel(address)
+        self._stub = cluster_pb2_grpc.ColocatedHostStub(self._channel)
+        self._describe_host = describe_host
+        self._lock = threading.Lock()
+        self._executors: dict[str, SessionExecutor] = {}
+
+    def executor(self, session: str, tenant: str, device_ids: Sequence[int]) -> SessionExecutor:
+        """The session's executor (made on first use; started at its first call)."""
+        with self._lock:
+            executor = self._executors.get(session)
+            if executor is None:
+                executor = self._executors[session] = SessionExecutor(
+                    self._stub, session, tenant, device_ids, self._describe_host
+                )
+            return executor
+
+    def end_session(self, session: str) -> None:
+        with self._lock:
+            executor = self._executors.pop(session, None)
+        if executor is not None:
+            executor.close()
+
+    def close(self) -> None:
+        with self._lock:
+            executors, self._executors = list(self._executors.values()), {}
+        for executor in executors:
+            executor.close()
+        self._channel.close()
