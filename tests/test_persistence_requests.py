@@ -33,7 +33,13 @@ def test_a_write_request_as_orbax_sends_it():
     )
     ((key, body),) = json.loads(text).items()
     w, step = requests.parse(key, body)
-    assert (w.location, w.name, w.shape, w.timeout_s, w.dtype) == ("/ckpt/1.orbax-checkpoint-tmp", "w", (8, 8), 90.5, None)
+    assert (w.location, w.name, w.shape, w.timeout_s, w.dtype) == (
+        "/ckpt/1.orbax-checkpoint-tmp",
+        "w",
+        (8, 8),
+        90.5,
+        None,
+    )
     assert w.sharding.device_ids == (0, 1, 2, 3)
     assert w.sharding.shard_indices((8, 8)) == tuple(
         tuple(arrays[0].sharding.devices_indices_map((8, 8))[d]) for d in mesh.devices.flat
@@ -56,7 +62,12 @@ def test_a_read_request_as_orbax_sends_it():
     ((key, body),) = json.loads(text).items()
     assert key == requests.READ_KEY
     (array,) = requests.parse(key, body)
-    assert (array.location, array.name, array.shape, array.dtype) == ("gs://bucket/run/7", "params.w", (4, 6), "bfloat16")
+    assert (array.location, array.name, array.shape, array.dtype) == (
+        "gs://bucket/run/7",
+        "params.w",
+        (4, 6),
+        "bfloat16",
+    )
     assert array.nbytes == 48 and array.timeout_s == 3600
     assert array.sharding.shard_indices((4, 6))[1] == (slice(None), slice(3, 6))
 
@@ -85,7 +96,9 @@ def test_camel_case_string_integers_and_duration_strings_are_read():
     }
     (array,) = requests.parse(requests.WRITE_KEY, {"writeRequests": [entry]})
     assert (array.shape, array.sharding.device_ids, array.timeout_s) == ((4,), (0, 1), 2.5)
-    (array,) = requests.parse(requests.WRITE_KEY, {"write_requests": [_entry(timeout={"seconds": "7", "nanos": 500_000_000})]})
+    (array,) = requests.parse(
+        requests.WRITE_KEY, {"write_requests": [_entry(timeout={"seconds": "7", "nanos": 500_000_000})]}
+    )
     assert array.timeout_s == 7.5
 
 
