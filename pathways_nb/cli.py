@@ -119,6 +119,7 @@ def _up(args: argparse.Namespace) -> int:
         port=args.port,
         platform=args.platform,
         token=security.ClusterCredentials.from_args(args).token,
+        storage_root=args.storage_root,
     )
     token_directory = None
     token_file = args.token_file
@@ -134,6 +135,7 @@ def _up(args: argparse.Namespace) -> int:
         f"  connect with: pathways_nb.connect({cluster.address!r})\n"
         f"  or: JAX_PLATFORMS=proxy JAX_BACKEND_TARGET={cluster.address} python ...\n"
         f"  the cluster views need its token: export {security.TOKEN_ENV}=$(cat {token_file})\n"
+        f"  profiles and checkpoints (gs://BUCKET/PATH) are written under {cluster.storage_root}\n"
         "  Ctrl-C stops it.",
         flush=True,
     )
@@ -188,6 +190,17 @@ def _serve(server, message: str, started: float, port_file: str | None) -> int:
     return 0
 
 
+def _add_storage_root(parser: argparse.ArgumentParser, what: str) -> None:
+    from pathways_nb.core.storage import default_root
+
+    parser.add_argument(
+        "--storage_root",
+        default=str(default_root()),
+        help=f"directory {what} under; a client's gs://BUCKET/PATH is BUCKET/PATH there, and nothing is "
+        "written outside it (default: %(default)s)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pathways-nb", description="Run JAX on a Pathways-style cluster.")
     parser.add_argument("--version", action="version", version=f"pathways-nb {__version__}")
@@ -224,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
         "whose runtime enforces its own; 0: no limit",
     )
     proxy.add_argument("--port_file", default=None, help="write the bound port to this file once serving")
+    _add_storage_root(proxy, "the proxy writes its own profiles (and, without a cluster, its devices' ones)")
     proxy.add_argument(
         "--resource_manager_address",
         default=None,
@@ -278,6 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--devices", type=int, default=None, help="number of CPU devices to create (CPU only)")
     worker.add_argument("--platform", default="cpu", help="local platform: cpu, cuda, rocm, tpu, or auto")
     worker.add_argument("--port_file", default=None, help="write the bound port to this file once serving")
+    _add_storage_root(worker, "the worker writes profiles and checkpoints that clients ask for")
     security.add_arguments(worker, serve_tls=True, call_tls=True)
     worker.set_defaults(run=_serve_worker)
 
@@ -287,6 +302,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--devices-per-host", dest="devices_per_host", type=int, default=4, help="devices per host")
     up.add_argument("--port", type=int, default=29000, help="the proxy's port; 0 picks a free one")
     up.add_argument("--platform", default="cpu", help="the workers' platform")
+    up.add_argument(
+        "--storage_root",
+        default=None,
+        help="directory the workers and the proxy write profiles and checkpoints under (gs://BUCKET/PATH is "
+        "BUCKET/PATH there); default: storage/ in the cluster's directory, kept if anything was written",
+    )
     security.add_arguments(up, serve_tls=False, call_tls=False)
     up.set_defaults(run=_up)
 

@@ -14,7 +14,9 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import shutil
 import socket
+import tempfile
 import time
 import weakref
 from dataclasses import dataclass
@@ -64,8 +66,15 @@ class LocalCluster:
         platform: str = "cpu",
         start: bool = True,
         token: str | None = None,
+        storage_root: str | os.PathLike[str] | None = None,
     ):
+        """``storage_root``: where the workers and the proxy write profiles and checkpoints
+        (``pathways_nb.core.storage``); default ``storage/`` in the cluster's own directory, which is
+        kept after ``close()`` if anything was written there."""
         self.spec = ClusterSpec(islands, hosts_per_island, devices_per_host, platform)
+        # The cluster's own directory (its storage root by default).
+        self.directory = tempfile.mkdtemp(prefix="pathways-nb-cluster-")
+        self.storage_root = os.path.abspath(storage_root or os.path.join(self.directory, "storage"))
         # The cluster token its internal endpoints require (None: a fresh random one); children get it
         # in their environment, never on their command line.
         self.token = token or generate_token()
@@ -124,6 +133,8 @@ class LocalCluster:
                     str(self.port),
                     "--resource_manager_address",
                     self.resource_manager.hostport,
+                    "--storage_root",
+                    self.storage_root,
                 ],
                 env=self._child_env,
             )
@@ -156,6 +167,8 @@ class LocalCluster:
                 str(self.spec.devices_per_host),
                 "--platform",
                 self.spec.platform,
+                "--storage_root",
+                self.storage_root,
                 *self._island_flags(island),
             ],
             env=self._child_env,
@@ -194,8 +207,17 @@ class LocalCluster:
         for child in [self.proxy, *self.workers.values(), self.resource_manager]:
             if child is not None:
                 child.close()
+        self._remove_directory_if_unused()
         self.status = Status.closed
         _LIVE.discard(self)
+
+    def _remove_directory_if_unused(self) -> None:
+        """Removes the cluster's directory unless something was written to its storage root (kept for the user)."""
+        storage = os.path.join(self.directory, "storage")
+        if os.path.isdir(storage) and any(files for _dir, _subdirs, files in os.walk(storage)):
+            _LOGGER.info("the cluster's storage root %s is kept (it holds what the cluster wrote)", storage)
+            return
+        shutil.rmtree(self.directory, ignore_errors=True)
 
     def __enter__(self) -> LocalCluster:
         return self.start()

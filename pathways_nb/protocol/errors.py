@@ -34,6 +34,10 @@ class NotFound(RequestError):
     code = 5  # NOT_FOUND
 
 
+class PermissionDenied(RequestError):
+    code = 7  # PERMISSION_DENIED
+
+
 class ResourceExhausted(RequestError):
     code = 8  # RESOURCE_EXHAUSTED
 
