@@ -62,10 +62,11 @@ class Deadline:
 
 
 def kvstore(path: str) -> dict:
-    """TensorStore's key-value store at ``path``: a local directory, or Cloud Storage for ``gs://``."""
-    if path.startswith("gs://"):
-        bucket, _, key = path.removeprefix("gs://").partition("/")
-        return {"driver": "gcs", "bucket": bucket, "path": key}
+    """TensorStore's key-value store at ``path``, a directory under the storage root (``core.storage``).
+
+    Cloud Storage is reached as directories too (Cloud Storage FUSE), never by TensorStore's own
+    gcs driver, so that one storage root confines every write.
+    """
     return {"driver": "file", "path": path}
 
 
