@@ -18,16 +18,21 @@ from pathways_nb.core import security
 
 
 def _serve_proxy(args: argparse.Namespace) -> int:
+    from pathways_nb.core.storage import StorageRoot
     from pathways_nb.proxy.context import ProxyLimits
     from pathways_nb.proxy.server import ProxyServer
 
     started = time.monotonic()
     credentials = security.ClusterCredentials.from_args(args)
+    storage = StorageRoot(args.storage_root)
     if args.resource_manager_address:
         from pathways_nb.proxy.cluster_runtime import ClusterRuntime
 
         runtime = ClusterRuntime(
-            args.resource_manager_address, allocation_timeout_s=args.allocation_timeout, credentials=credentials
+            args.resource_manager_address,
+            allocation_timeout_s=args.allocation_timeout,
+            credentials=credentials,
+            storage=storage,
         )
         serving = f"the cluster of {args.resource_manager_address}"
         serving_cpu = True  # the proxy cannot see its workers' memory; their CPU devices are the default
@@ -36,7 +41,7 @@ def _serve_proxy(args: argparse.Namespace) -> int:
         from pathways_nb.worker.runtime import LocalRuntime
 
         devices = LocalRuntime(args.platform, args.devices)
-        runtime = LocalProxyRuntime(devices)
+        runtime = LocalProxyRuntime(devices, storage)
         serving = f"{len(devices.devices)} {devices.platform} device(s)"
         serving_cpu = devices.platform == "cpu"
     limits = ProxyLimits(
@@ -77,6 +82,7 @@ def _serve_resource_manager(args: argparse.Namespace) -> int:
 
 
 def _serve_worker(args: argparse.Namespace) -> int:
+    from pathways_nb.core.storage import StorageRoot
     from pathways_nb.worker.island import IslandMembership
     from pathways_nb.worker.runtime import LocalRuntime
     from pathways_nb.worker.server import WorkerServer
@@ -98,6 +104,7 @@ def _serve_worker(args: argparse.Namespace) -> int:
         host=args.host,
         advertise_address=args.advertise_address,
         credentials=security.ClusterCredentials.from_args(args),
+        storage=StorageRoot(args.storage_root),
     )
     message = (
         f"pathways-nb worker {server.registration.worker_id} at {server.address} with "

@@ -30,8 +30,10 @@ def pytest_configure(config):
 
 
 @pytest.fixture(scope="session")
-def proxy_server():
-    with testing.proxy_process(4, "--host_buffer_timeout", "5") as server:
+def proxy_server(tmp_path_factory):
+    storage_root = tmp_path_factory.mktemp("proxy-storage")
+    with testing.proxy_process(4, "--host_buffer_timeout", "5", "--storage_root", str(storage_root)) as server:
+        server.storage_root = str(storage_root)  # where its profiles and checkpoints go
         yield server
 
 
@@ -60,13 +62,16 @@ class Backend:
     name: str
     address: str
     device_slice: slice
+    storage_root: str  # where the server writes what gs://BUCKET/PATH names
 
 
 @pytest.fixture(scope="session", params=["single-process", "cluster"])
 def backend(request) -> Backend:
     if request.param == "single-process":
-        return Backend(request.param, request.getfixturevalue("proxy_server").address, slice(0, 4))
-    return Backend(request.param, request.getfixturevalue("cluster").address, slice(4, 8))
+        server = request.getfixturevalue("proxy_server")
+        return Backend(request.param, server.address, slice(0, 4), server.storage_root)
+    cluster = request.getfixturevalue("cluster")
+    return Backend(request.param, cluster.address, slice(4, 8), cluster.storage_root)
 
 
 @pytest.fixture(scope="session")

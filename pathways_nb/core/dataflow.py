@@ -131,8 +131,8 @@ class ArrayRecord:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the value takes on its devices, per copy (tokens take none); raises for unknown dtypes."""
-        if self.kind == dtypes.TOKEN_KIND:
+        """Bytes the value takes on its devices, per copy (tokens, host strings: none); raises for unknown dtypes."""
+        if self.kind in (dtypes.TOKEN_KIND, dtypes.STRING_KIND):
             return 0
         return math.prod(self.shape) * dtypes.to_numpy(self.kind).itemsize
 

@@ -283,3 +283,15 @@ class DeviceSession(Protocol):
     def cost_analysis(self, program: ProgramInfo) -> dict[str, float]: ...
 
     def program_text(self, program: ProgramInfo) -> str: ...
+
+    @property
+    def proxy_is_host(self) -> bool:
+        """Whether the proxy's own process holds the devices (the single-process server)."""
+        ...
+
+    def run_program(self, plan: Any, request: bytes, args: Sequence) -> list:
+        """Runs a non-XLA program's host half (``core.nonxla``) on every host of ``plan``; blocks until all are done.
+
+        ``plan`` is a ``nonxla.ProgramPlan``; returns one value per output of the plan.
+        """
+        ...

@@ -44,7 +44,9 @@ _KIND_TO_NUMPY: dict[int, np.dtype] = {
 _NUMPY_TO_KIND = {dtype: kind for kind, dtype in _KIND_TO_NUMPY.items()}
 
 TOKEN_KIND = 17
-_KIND_NAMES = {0: "unspecified", 14: "opaque", TOKEN_KIND: "token", 99: "string"}
+# Arrays of byte strings (plugin and custom-call programs' results); no fixed-size host form.
+STRING_KIND = 99
+_KIND_NAMES = {0: "unspecified", 14: "opaque", TOKEN_KIND: "token", STRING_KIND: "string"}
 
 
 def to_numpy(kind: int) -> np.dtype:

@@ -32,6 +32,7 @@ ROOT_FILES = (
     "xla/pjrt/proto/compile_options.proto",
     "xla/service/hlo.proto",
     "xla/python/pjrt_ifrt/pjrt_layout_serdes.proto",
+    "xla/python/ifrt/custom_call_program.proto",
 )
 
 # A serialized FileDescriptorProto starts with field 1 (the file name):

@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 
+from pathways_nb.core import nonxla
 from pathways_nb.core.convert import program_from_proto
 from pathways_nb.core.events import EventSink
 from pathways_nb.core.runtime_api import (
@@ -29,6 +30,7 @@ from pathways_nb.core.runtime_api import (
 )
 from pathways_nb.core.security import ClusterCredentials
 from pathways_nb.core.session_options import SECRET, SessionOptions
+from pathways_nb.core.storage import StorageRoot, default_root
 from pathways_nb.protocol.errors import (
     DeadlineExceeded,
     InvalidRequest,
@@ -58,9 +60,15 @@ class ClusterRuntime:
     """A cluster reached through its resource manager at ``rm_address``."""
 
     def __init__(
-        self, rm_address: str, allocation_timeout_s: float = 60.0, credentials: ClusterCredentials | None = None
+        self,
+        rm_address: str,
+        allocation_timeout_s: float = 60.0,
+        credentials: ClusterCredentials | None = None,
+        storage: StorageRoot | None = None,
     ):
         self.rm_address = rm_address
+        # The proxy's own place, for the parts of non-XLA programs it runs itself (its own profile).
+        self.host = nonxla.HostContext(storage or StorageRoot(default_root()), name="proxy")
         self.allocation_timeout_s = allocation_timeout_s
         self.key = f"proxy-{uuid.uuid4().hex[:8]}"
         self.credentials = credentials or ClusterCredentials()

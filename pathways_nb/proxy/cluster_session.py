@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import grpc
 import numpy as np
 
+from pathways_nb.core import nonxla, string_arrays
 from pathways_nb.core.convert import array_meta
 from pathways_nb.core.events import EventSink
 from pathways_nb.core.runtime_api import (
@@ -61,6 +62,8 @@ RELINK_AFTER_S = 5.0
 
 class ClusterSession:
     """One client session's devices in the cluster, and its streams to their workers."""
+
+    proxy_is_host = False
 
     def __init__(
         self,
@@ -386,6 +389,8 @@ class ClusterSession:
             data = value.link.fetch(value.array_id)
         except RequestError as error:
             raise explain_failure(error, self._island_links(value.link.island)) from None
+        if value.kind == dtypes.STRING_KIND:
+            return np.asarray(string_arrays.decode(data, value.shape))
         return np.frombuffer(data, dtypes.to_numpy(value.kind)).reshape(value.shape)
 
     # -- programs --------------------------------------------------------------------------
@@ -489,6 +494,77 @@ class ClusterSession:
         command = pb.Command(program_query=pb.ProgramQuery(program=program_id, text=True))
         return self.cluster.query(device, command, "program_query").text
 
+    # -- programs that are not XLA -----------------------------------------------------------
+
+    @property
+    def host(self) -> nonxla.HostContext:
+        """The proxy's own place, for the parts of non-XLA programs it runs itself."""
+        return self.cluster.host
+
+    def run_program(self, plan: nonxla.ProgramPlan, request: bytes, args: Sequence) -> list:
+        """Sends each host of ``plan`` its part on this session's stream to it, waits for all, assembles the results.
+
+        Blocks (on the proxy's wait pool): a host that dies meanwhile fails it with DATA_LOSS naming the host.
+        """
+        devices = [self._current(self._device(d)) for d in dict.fromkeys((*plan.host_device_ids, *plan.device_ids))]
+        workers: dict[str, list[pb.Device]] = {}
+        for device in devices:
+            workers.setdefault(device.worker_id, []).append(device)
+        runs = {worker_id: _HostRun(self._link(host_devices[0])) for worker_id, host_devices in workers.items()}
+        for worker_id, host_devices in workers.items():
+            run = runs[worker_id]
+            run.device_ids = [d.local_id for d in host_devices if d.id in plan.host_device_ids]
+            run.args = [pb.ProgramArgument(ids=self._pieces_on(arg, run.link, index)) for index, arg in enumerate(args)]
+        values = [self._program_output(spec, runs) for spec in plan.outputs]
+        replies = []
+        for run in runs.values():
+            command = pb.RunProgram(
+                kind=plan.kind,
+                key=plan.key,
+                program=request,
+                args=run.args,
+                results=run.results,
+                result_metas=run.metas,
+                device_ids=run.device_ids,
+                tenant=self.options.tenant,
+            )
+            replies.append((run.link, run.link.request(pb.Command(run_program=command), "run_program")))
+        for link, reply in replies:
+            try:
+                link.result(reply)
+            except RequestError as error:
+                raise explain_failure(error, self._island_links(link.island)) from None
+        return values
+
+    def _pieces_on(self, value, link: WorkerLink, index: int) -> list[int]:
+        """The ids of ``value``'s pieces held by ``link``'s worker (none: it holds none of it)."""
+        parts = value.parts if isinstance(value, PartedArray) else [value]
+        pieces = [part.array_id for part in parts if part.link.worker_id == link.worker_id]
+        if any(part.link.worker_id == link.worker_id and part.link is not link for part in parts):
+            raise WorkerLost(
+                f"argument {index} was lost when {link.describe()} restarted; compute or transfer it again"
+            )
+        return pieces
+
+    def _program_output(self, spec: nonxla.OutputSpec, runs: dict[str, _HostRun]):
+        """One output of a non-XLA program, as results of the hosts that hold its devices (as puts lay arrays out)."""
+        devices = [self._device(d) for d in spec.sharding.device_ids]
+        holders = list(dict.fromkeys(d.worker_id for d in devices))
+        missing = [w for w in holders if w not in runs]
+        if missing:
+            raise InvalidRequest(f"an output of the program lies on devices of {missing}, where it does not run")
+        if len(holders) == 1 or len({d.island for d in devices}) == 1:
+            parts = [runs[w].result(spec.kind, spec.shape, spec.sharding, self._local(spec.sharding)) for w in holders]
+            if len(parts) == 1:
+                return parts[0]
+            return MultiHostArray(sorted(parts, key=lambda p: p.link.host_index), spec.shape, spec.sharding)
+        singles = []
+        shard_shape = spec.sharding.shard_shape(spec.shape)
+        for device in devices:
+            single = IfrtSharding((device.id,), spec.sharding.memory_kind)
+            singles.append(runs[device.worker_id].result(spec.kind, shard_shape, single, self._local(single)))
+        return ShardedRemoteArray(singles, spec.shape, spec.sharding)
+
     # -- ending ----------------------------------------------------------------------------
 
     def hold_lease(self, request: pb.AllocateRequest) -> None:
@@ -530,6 +606,23 @@ class ClusterSession:
         for link in links:
             link.close()
         lease.cancel()
+
+
+class _HostRun:
+    """One host's part of a non-XLA program's execution, as it is being put together."""
+
+    def __init__(self, link: WorkerLink):
+        self.link = link
+        self.device_ids: list[int] = []
+        self.args: list[pb.ProgramArgument] = []
+        self.results: list[int] = []
+        self.metas: list[pb.ArrayMeta] = []
+
+    def result(self, kind: int, shape, sharding: IfrtSharding, local: IfrtSharding) -> RemoteArray:
+        array_id = self.link.new_id()
+        self.results.append(array_id)
+        self.metas.append(array_meta(kind, shape, local))
+        return RemoteArray(self.link, array_id, kind, shape, sharding)
 
 
 def _source_regions(value) -> list[tuple[slice, ...]]:

@@ -11,8 +11,10 @@ import os
 import socket
 from collections.abc import Sequence
 
+from pathways_nb.core import nonxla
 from pathways_nb.core.events import EventSink
 from pathways_nb.core.runtime_api import check_sharding, not_in_session
+from pathways_nb.core.storage import StorageRoot, default_root
 from pathways_nb.protocol.shardings import IfrtSharding
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.worker.runtime import LocalRuntime, Program
@@ -21,12 +23,14 @@ from pathways_nb.worker.runtime import LocalRuntime, Program
 class LocalProxyRuntime:
     """A ``LocalRuntime`` served to proxy sessions: one island of one host, all devices shared."""
 
-    def __init__(self, runtime: LocalRuntime):
+    def __init__(self, runtime: LocalRuntime, storage: StorageRoot | None = None):
         self.runtime = runtime
+        # Where non-XLA programs (profiles, checkpoints) write: this process is the only host.
+        self.host = nonxla.HostContext(storage or StorageRoot(default_root()))
 
     def open_session(self, session_id: int, attributes: dict, events: EventSink) -> LocalSession:
         """Every session of a single-process server shares all its devices."""
-        return LocalSession(self.runtime, events)
+        return LocalSession(self.runtime, events, self.host)
 
     def serve_on(self, loop) -> None:
         """Nothing runs on the proxy's loop: the devices are this process's own."""
@@ -77,9 +81,12 @@ class LocalProxyRuntime:
 class LocalSession:
     """One session's view of a ``LocalRuntime``: all its devices, its own event sink."""
 
-    def __init__(self, runtime: LocalRuntime, events: EventSink):
+    proxy_is_host = True
+
+    def __init__(self, runtime: LocalRuntime, events: EventSink, host: nonxla.HostContext):
         self.runtime = runtime
         self.events = events
+        self.host = host
         self.platform = runtime.platform
         self.platform_version = runtime.platform_version
         self.device_ids = runtime.device_ids
@@ -114,6 +121,12 @@ class LocalSession:
 
     def execute(self, program: Program, args: Sequence, keep: frozenset[int] = frozenset()) -> list:
         return self.runtime.execute(program, args, keep, timed=self.events)
+
+    def run_program(self, plan: nonxla.ProgramPlan, request: bytes, args: Sequence) -> list:
+        """The host half, here: this process is the only host, its device ids are the session's."""
+        results = [nonxla.ResultSpec(spec.kind, spec.shape, spec.sharding) for spec in plan.outputs]
+        kind = nonxla.lookup(plan.kind, plan.key)
+        return kind.run(request, self.runtime, [[value] for value in args], plan.host_device_ids, results, self.host)
 
     def release(self) -> None:
         """Nothing to give back: the proxy deletes the session's arrays."""

@@ -73,6 +73,8 @@ class Session:
         self.device_bytes = Quota("device memory", limits.session_device_bytes, "--session_device_bytes")
         self.arrays: dict[int, ArrayRecord] = {}
         self.programs: dict[int, Any] = {}
+        # Per device, the results of the latest XLA program on it: a non-XLA program runs after them.
+        self.latest_work: dict[int, list[ArrayRecord]] = {}
         self.futures: dict[int, Pending] = {}
         self.lock = threading.RLock()
         self.closed = False
@@ -283,6 +285,7 @@ class Session:
             self.closed = True
             arrays, self.arrays = self.arrays, {}
             self.programs.clear()
+            self.latest_work.clear()
             futures, self.futures = self.futures, {}
         self.host_buffers.close(reason)
         for record in arrays.values():

@@ -34,6 +34,7 @@ from pathways_nb.core.runtime_api import (
     check_sharding,
     describe_device,
 )
+from pathways_nb.core.string_arrays import StringArray
 from pathways_nb.protocol import op_sharding, schema
 from pathways_nb.protocol.errors import FailedPrecondition, InvalidRequest, NotFound, ResourceExhausted
 from pathways_nb.protocol.layouts import ROW_MAJOR_PLATFORMS, row_major
@@ -211,6 +212,8 @@ class LocalRuntime:
 
     def disassemble(self, array, sharding: IfrtSharding) -> list:
         """The single-device arrays of ``array``, in the order of ``sharding``'s devices."""
+        if isinstance(array, StringArray):  # a host value: each device's shard is a copy of it
+            return [StringArray(array.shape, array.strings) for _ in self.local_part(sharding).device_ids]
         by_device = {shard.device.id: shard.data for shard in array.addressable_shards}
         return [by_device[device_id] for device_id in self.local_part(sharding).device_ids]
 

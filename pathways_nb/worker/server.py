@@ -18,7 +18,9 @@ import time
 import grpc
 
 from pathways_nb.core.aio_server import BackgroundServer
+from pathways_nb.core.nonxla import HostContext
 from pathways_nb.core.security import ClusterCredentials
+from pathways_nb.core.storage import StorageRoot, default_root
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
 from pathways_nb.worker.runtime import LocalRuntime
@@ -43,14 +45,18 @@ class WorkerServer:
         advertise_address: str | None = None,
         register_timeout_s: float = 60.0,
         credentials: ClusterCredentials | None = None,
+        storage: StorageRoot | None = None,
     ):
+        """``storage``: where the non-XLA programs clients send (profiles, checkpoints) write."""
         credentials = credentials or ClusterCredentials()
         self.runtime = runtime
         self.island, self.host_index = island, host_index
         # This process's identity in the cluster: kept when it registers again with a restarted
         # resource manager (its arrays are still here), new for every new process.
         self.incarnation = 1 + secrets.randbits(62)
-        self.service = WorkerService(runtime, credentials=credentials)
+        name = f"island{island}-host{host_index}"
+        place = HostContext(storage or StorageRoot(default_root()), island, host_index, name)
+        self.service = WorkerService(runtime, credentials=credentials, host=place)
         self._server = BackgroundServer(
             lambda server: cluster_pb2_grpc.add_WorkerServicer_to_server(self.service, server),
             [SERVICE_NAME],

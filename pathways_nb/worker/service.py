@@ -20,7 +20,9 @@ import numpy as np
 
 from pathways_nb.core import shared_memory
 from pathways_nb.core.aio_server import SERVER_OPTIONS
+from pathways_nb.core.nonxla import HostContext
 from pathways_nb.core.security import ClusterCredentials
+from pathways_nb.core.storage import StorageRoot, default_root
 from pathways_nb.protocol.errors import RequestError, as_request_error
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
@@ -99,8 +101,16 @@ class _Replies:
 
 
 class WorkerService(cluster_pb2_grpc.WorkerServicer):
-    def __init__(self, runtime: LocalRuntime, threads: int = 8, credentials: ClusterCredentials | None = None):
+    def __init__(
+        self,
+        runtime: LocalRuntime,
+        threads: int = 8,
+        credentials: ClusterCredentials | None = None,
+        host: HostContext | None = None,
+    ):
         self.runtime = runtime
+        # This host's place and storage root, for the non-XLA programs it runs.
+        self.host = host or HostContext(StorageRoot(default_root()))
         self.credentials = credentials or ClusterCredentials()
         self.programs = Programs(runtime)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="pathways-worker")
@@ -147,6 +157,7 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
             self.announce_step,
             self.share,
             self.outbox,
+            self.host,
         )
         self.sessions[key] = session
         for waiting in self._early_pushes.pop(key, ()):

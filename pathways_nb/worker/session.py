@@ -15,11 +15,12 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from pathways_nb.core import shared_memory
+from pathways_nb.core import nonxla, shared_memory
 from pathways_nb.core.convert import sharding_from_proto
 from pathways_nb.core.dataflow import ArrayRecord, run_after
 from pathways_nb.core.events import EventSink, event
 from pathways_nb.core.memory import release_free_memory
+from pathways_nb.core.string_arrays import StringArray
 from pathways_nb.protocol import dtypes
 from pathways_nb.protocol.errors import InvalidRequest, NotFound, RequestError, Unavailable, as_request_error
 from pathways_nb.rpc import cluster_pb2 as pb
@@ -72,8 +73,11 @@ class WorkerSession:
         announce: Callable[[Sequence[str], str, int], None] | None = None,
         share: FairShare | None = None,
         outbox: shared_memory.Outbox | None = None,
+        host: nonxla.HostContext | None = None,
     ):
         self.key = key
+        # This host's place and storage root, for non-XLA programs (None: it runs none).
+        self._host = host
         self.runtime = runtime
         self.programs = programs
         self._background = background
@@ -329,6 +333,9 @@ class WorkerSession:
 
     def _answer_bytes(self, command: pb.Fetch, value) -> None:
         """Replies ``value``'s bytes: in a shared file if the proxy asked and one can be written, else in chunks."""
+        if isinstance(value, StringArray):  # its contents as the client reads them (core.string_arrays)
+            self._send_bytes(command.request, np.frombuffer(value.to_wire(), np.uint8))
+            return
         if command.shared_memory and self._outbox is not None and value.nbytes >= shared_memory.MIN_BYTES:
             shared = self._write_shared(np.asarray(value))  # read while the record guards the value from deletion
             if shared is not None:
@@ -490,6 +497,48 @@ class WorkerSession:
             self._reply(reply)
 
         self._background(query, done)
+
+    def _run_program(self, command: pb.RunProgram) -> None:
+        """This host's part of a non-XLA program (``core.nonxla``): run on the pool once its arguments exist.
+
+        The reply (done, or the error) comes when the kind's host half has finished; the results
+        hold its values, or its error.
+        """
+        if self._host is None:
+            raise InvalidRequest("this worker runs no plugin or custom-call programs")
+        kind = nonxla.lookup(command.kind, command.key)
+        args = [[self._record(i) for i in argument.ids] for argument in command.args]
+        if len(command.results) != len(command.result_metas):
+            raise InvalidRequest(f"{len(command.results)} result ids for {len(command.result_metas)} result specs")
+        results = [self._new(i, meta) for i, meta in zip(command.results, command.result_metas, strict=True)]
+        specs = [nonxla.ResultSpec(r.kind, r.shape, r.sharding) for r in results]
+        context = self._host.for_tenant(command.tenant or self.key)
+
+        def run() -> list:
+            pieces = [[record.live() for record in argument] for argument in args]
+            values = kind.run(command.program, self.runtime, pieces, tuple(command.device_ids), specs, context)
+            if len(values) != len(results):
+                raise InvalidRequest(f"{command.key} made {len(values)} results on this host, not {len(results)}")
+            return values
+
+        def done(values, error: RequestError | None) -> None:
+            with self.lock:
+                if error is not None:
+                    for record in results:
+                        if not record.ready:
+                            record.fail(error)
+                    status = pb.Status(code=error.code, message=error.message)
+                    self._reply(pb.Reply(request=command.request, error=status))
+                    return
+                for record, value in zip(results, values, strict=True):
+                    record.set(value)
+                self._reply(pb.Reply(request=command.request, done=True))
+
+        def failed(error: RequestError) -> None:
+            done(None, error)
+
+        flat = [record for argument in args for record in argument]
+        run_after(flat, lambda: self._background(run, done), self.lock, results, on_error=failed)
 
     def _layout_query(self, command: pb.LayoutQuery) -> None:
         layout = self.runtime.default_layout(dtypes.to_numpy(command.dtype_kind), command.dims, command.device_id)

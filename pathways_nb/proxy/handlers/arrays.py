@@ -8,6 +8,7 @@ import time
 import numpy as np
 from google.protobuf.message import DecodeError
 
+from pathways_nb.core import string_arrays
 from pathways_nb.core.dataflow import ArrayRecord, Pending, when_all
 from pathways_nb.core.events import event
 from pathways_nb.protocol import dtypes, schema, shardings
@@ -192,10 +193,16 @@ def copy_to_host_buffer(session, request, op_id):
     """Reads an array into a host buffer the client then fetches with ``HostBufferLookup``."""
     record = session.record(request.array_handle)
     strides = _strides(request)
+    if record.kind == dtypes.STRING_KIND and strides is not None:
+        raise InvalidRequest("a string array has no byte strides; read it without them")
 
     started = time.time()
 
     def read():
+        if record.kind == dtypes.STRING_KIND:
+            # As the client reads string arrays: one StringArrayContents message, a string per element.
+            contents = string_arrays.encode(record.read(session.runtime.to_host).reshape(-1))
+            return memoryview(contents), session.host_buffers.reserve(len(contents), "reading a string array")
         # The staged copy counts against the session's host buffers before it is made.
         nbytes = _strided_extent(record.shape, dtypes.to_numpy(record.kind).itemsize, strides)
         reserved = session.host_buffers.reserve(nbytes, f"reading array {request.array_handle}")

@@ -5,13 +5,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from pathways_nb.core import nonxla
 from pathways_nb.core.dataflow import ArrayRecord, Pending, when_all
 from pathways_nb.core.events import event
 from pathways_nb.core.runtime_api import ArgumentFacts, ProgramInfo, check_arguments
 from pathways_nb.protocol import attributes, dtypes
 from pathways_nb.protocol.errors import DataLoss, InvalidRequest, Unimplemented
+from pathways_nb.proxy import nonxla_programs
 from pathways_nb.proxy.context import CompileCache
 from pathways_nb.proxy.dispatch import DEFERRED, handles
+from pathways_nb.proxy.nonxla_programs import NonXlaProgram
 
 XLA_PROGRAM = "xla::ifrt::XlaProgram"
 XLA_COMPILE_OPTIONS = "xla::ifrt::XlaCompileOptions"
@@ -124,8 +127,13 @@ def _check_options(options) -> None:
 def compile_program(session, request, op_id):
     """Compiles off the stream thread (or takes the shared cache) and replies when done."""
     messages = session.messages
+    if request.program.type_name in nonxla.PROGRAM_TYPES:
+        return nonxla_programs.compile_program(session, request, op_id)
     if request.program.type_name != XLA_PROGRAM:
-        raise Unimplemented(f"programs of type {request.program.type_name!r} are not supported; send an XlaProgram")
+        raise Unimplemented(
+            f"programs of type {request.program.type_name!r} are not supported; send an XlaProgram, or one of "
+            f"{sorted(nonxla.PROGRAM_TYPES)}"
+        )
     if request.compile_options.type_name != XLA_COMPILE_OPTIONS:
         raise Unimplemented(f"compile options of type {request.compile_options.type_name!r} are not supported")
     if request.host_callbacks:
@@ -190,7 +198,10 @@ def compile_program(session, request, op_id):
 @handles("loaded_executable_metadata_request")
 def metadata(session, request, op_id):
     """Shardings, layouts, memory kinds and donations of a compiled program."""
-    program = session.program(request.loaded_executable_handle).program
+    loaded = session.program(request.loaded_executable_handle)
+    if isinstance(loaded, NonXlaProgram):
+        return nonxla_programs.metadata(session, loaded)
+    program = loaded.program
     proxy, xla = session.messages.proxy, session.messages.xla
     response = proxy.LoadedExecutableMetadataResponse()
     if program.parameter_op_shardings is not None:
@@ -232,6 +243,8 @@ def _fill_layouts(response, which: str, minor_to_majors, avals) -> None:
 def execute(session, request, op_id):
     """Starts a program once its inputs exist; replies at once with (or without) output specs."""
     loaded = session.program(request.loaded_executable_handle)
+    if isinstance(loaded, NonXlaProgram):
+        return nonxla_programs.execute(session, loaded, request, op_id)
     program = loaded.program
     if loaded.deleted:
         raise InvalidRequest(f"loaded executable {request.loaded_executable_handle} was deleted")
@@ -257,6 +270,8 @@ def execute(session, request, op_id):
     donated = [inputs[i] for i in program.donated_args if i not in keep and i < len(inputs)]
     freed = sum(record.nbytes for record in donated if record.error is None and not record.is_deleted)
     session.add_new_arrays(output_handles, outputs, f"the {len(outputs)} result(s) of {program.name}", credit=freed)
+    for device_id in program.device_ids:  # what a later non-XLA program on these devices runs after
+        session.latest_work[device_id] = outputs
 
     def run() -> None:
         check_arguments(program, [_facts(record) for record in inputs])
@@ -345,8 +360,13 @@ def cost_analysis(session, request, op_id):
 
     Asked off the event loop (a cluster's worker answers it), so other requests keep flowing.
     """
-    program = session.program(request.loaded_executable_handle).program
+    loaded = session.program(request.loaded_executable_handle)
     response = session.messages.proxy.LoadedExecutableCostAnalysisResponse()
+    if isinstance(loaded, NonXlaProgram):
+        response.status.code = 12
+        response.status.message = f"a {loaded.parsed.kind} program has no cost analysis"
+        return response
+    program = loaded.program
 
     def answer(costs, error) -> None:
         if error is None:
@@ -364,7 +384,12 @@ def cost_analysis(session, request, op_id):
 @handles("loaded_executable_human_readable_program_text_request")
 def program_text(session, request, op_id):
     """The optimized HLO of the program (``compiled.as_text()``), written off the event loop."""
-    program = session.program(request.loaded_executable_handle).program
+    loaded = session.program(request.loaded_executable_handle)
+    if isinstance(loaded, NonXlaProgram):
+        return session.messages.proxy.LoadedExecutableHumanReadableProgramTextResponse(
+            human_readable_program_text=loaded.parsed.text.decode(errors="replace")
+        )
+    program = loaded.program
 
     def answer(text, error) -> None:
         if error is not None:
