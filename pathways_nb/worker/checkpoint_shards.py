@@ -64,7 +64,7 @@ def write(array: ArrayRequest, location: str, shards: Mapping[int, object], dtyp
             host_shard = np.asarray(shards[device_id])
             if host_shard.shape != tuple(s.stop - s.start for s in region):
                 raise FailedPrecondition(
-                    f"{what}: the shard on device {device_id} is {list(host_shard.shape)}, where the request's "
+                    f"the shard on device {device_id} is {list(host_shard.shape)}, where the request's "
                     f"sharding gives it {[s.stop - s.start for s in region]}"
                 )
             if host_shard.size:
@@ -96,7 +96,7 @@ def read(array: ArrayRequest, location: str, device_ids: Sequence[int], place, h
         store = storage.open_for_read(location, array.name, deadline)
         if tuple(store.shape) != array.shape:
             raise FailedPrecondition(
-                f"{what}: the checkpoint holds an array of shape {list(store.shape)}, the restore asks for "
+                f"the checkpoint holds an array of shape {list(store.shape)}, the restore asks for "
                 f"{list(array.shape)}; restore with the saved shape"
             )
         if store.dtype.numpy_dtype != array.dtype:
