@@ -113,6 +113,7 @@ def test_camel_case_string_integers_and_duration_strings_are_read():
         ({"write_requests": [_entry(b64_name="")]}, "non-empty location and name"),
         ({"write_requests": [_entry(shape=[-1])]}, "non-negative integers"),
         ({"write_requests": [_entry(shape="4")]}, "list of at most"),
+        ({"write_requests": [_entry(shape=[1 << 40, 1 << 40])]}, "more elements than any array can"),
         ({"write_requests": [_entry(devices={"device_ids": []})]}, "device_ids must be a non-empty list"),
         ({"write_requests": [_entry(devices={"device_ids": [0, 0]})]}, "distinct"),
         ({"write_requests": [_entry(devices=[0, 1])]}, "device_ids must be a non-empty list"),

@@ -45,6 +45,8 @@ DEFAULT_TIMEOUT_S = 3600.0
 MAX_ARRAYS = 1 << 16
 MAX_RANK = 64
 MAX_PATH_BYTES = 4096
+# Elements of one array: what 64-bit sizes on the wire can count.
+MAX_ELEMENTS = 1 << 62
 
 # XLA primitive type names (``xla_primitive_type_str``) of the dtypes a checkpoint can hold.
 _PRIMITIVE_TYPES: dict[str, np.dtype] = {
@@ -156,6 +158,8 @@ def _dimensions(value: object, where: str) -> tuple[int, ...]:
     dims = tuple(_integer(v) for v in value)
     if any(d is None or d < 0 for d in dims):
         raise InvalidRequest(f"Bad PluginProgram: {where} must hold non-negative integers, not {value}")
+    if math.prod(dims) > MAX_ELEMENTS or any(d > MAX_ELEMENTS for d in dims):
+        raise InvalidRequest(f"Bad PluginProgram: {where} {list(dims)} has more elements than any array can")
     return dims
 
 

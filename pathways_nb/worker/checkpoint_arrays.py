@@ -15,6 +15,7 @@ chunks (or one chunk, if larger) on their way.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -52,7 +53,7 @@ class Deadline:
     def wait(self, future):
         """``future``'s result, or DEADLINE_EXCEEDED (the operation is cancelled)."""
         try:
-            return future.result(timeout=self.remaining())
+            return future.result(timeout=min(self.remaining(), threading.TIMEOUT_MAX))
         except TimeoutError:
             future.cancel()
             raise self._exceeded() from None
