@@ -22,6 +22,7 @@ import time
 
 import pytest
 
+from pathways_nb import testing
 from pathways_nb.client.observe import Observer
 from pathways_nb.launch.local_cluster import LocalCluster
 
@@ -73,12 +74,12 @@ def _errors(stderr: str) -> str:
     return "\n".join(line for line in stderr.splitlines() if line.strip() and not line.startswith("\t"))[-5000:]
 
 
-def _client_command(cluster: LocalCluster, code: str, *args: str) -> tuple[list[str], dict[str, str]]:
-    """A stock JAX client of ``cluster`` running ``code``, as a Pathways on Cloud training script runs."""
+def _client_command(server, code: str, *args: str) -> tuple[list[str], dict[str, str]]:
+    """A stock JAX client of ``server`` running ``code``, as a Pathways on Cloud training script runs."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("JAX_")}
     env.update(
         JAX_PLATFORMS="proxy",
-        JAX_BACKEND_TARGET=cluster.address,
+        JAX_BACKEND_TARGET=server.address,
         IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS="true",
         ENABLE_PATHWAYS_PERSISTENCE="1",
     )
@@ -86,9 +87,9 @@ def _client_command(cluster: LocalCluster, code: str, *args: str) -> tuple[list[
     return [sys.executable, "-c", source, *args], env
 
 
-def _client(cluster: LocalCluster, code: str, *args: str) -> list[dict]:
-    """Runs ``code`` in a stock JAX client of ``cluster``; the JSON lines it printed."""
-    command, env = _client_command(cluster, code, *args)
+def _client(server, code: str, *args: str) -> list[dict]:
+    """Runs ``code`` in a stock JAX client of ``server`` (a cluster or a proxy); the JSON lines it printed."""
+    command, env = _client_command(server, code, *args)
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, _errors(result.stderr)
     return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
@@ -365,3 +366,31 @@ def test_a_worker_killed_mid_save_fails_it_with_data_loss_and_the_next_save_work
     finally:
         client.kill()
         client.communicate()
+
+
+QUOTA = """
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    sharding = NamedSharding(Mesh(np.array(jax.devices()[:4]), ("x",)), P("x"))
+    w = jax.jit(lambda: jnp.ones((1024, 1024), jnp.float32), out_shardings=sharding)()  # 4 MiB of the 6 allowed
+    checkpointer = ocp.StandardCheckpointer(use_ocdbt=False)
+    checkpointer.save(sys.argv[1], {"w": w})
+    checkpointer.wait_until_finished()
+    target = {"w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=sharding)}
+    try:
+        checkpointer.restore(sys.argv[1], target)
+        over = "restored"
+    except Exception as error:
+        over = str(error)
+    w.delete()
+    restored = checkpointer.restore(sys.argv[1], target)["w"]
+    print(json.dumps({"over": over, "after": bool((np.asarray(restored) == 1).all())}))
+"""
+
+
+def test_a_restore_counts_against_the_session_device_quota_before_reading(tmp_path):
+    """On the single-process proxy, which runs the hosts' part itself."""
+    quota = ("--session_device_bytes", str(6 << 20), "--storage_root", str(tmp_path))
+    with testing.proxy_process(4, *quota) as server:
+        (result,) = _client(server, QUOTA, str(tmp_path / "ckpt"))
+    assert "RESOURCE_EXHAUSTED" in result["over"] and "--session_device_bytes" in result["over"], result
+    assert result["after"]
