@@ -20,6 +20,7 @@ from pathways_nb.errors import ConnectionFailed, PathwaysError
 
 if TYPE_CHECKING:
     from pathways_nb.client.connection import Session, connect, current, disconnect
+    from pathways_nb.client.profiles import profile
     from pathways_nb.launch.local_cluster import LocalCluster
 
 # Public name -> the module that defines it.
@@ -29,6 +30,7 @@ _LAZY = {
     "current": "pathways_nb.client.connection",
     "disconnect": "pathways_nb.client.connection",
     "LocalCluster": "pathways_nb.launch.local_cluster",
+    "profile": "pathways_nb.client.profiles",
 }
 
 
@@ -62,4 +64,5 @@ __all__ = [
     "current",
     "disconnect",
     "load_ipython_extension",
+    "profile",
 ]

@@ -119,9 +119,9 @@ def test_notebook_in_jupyterlab_shows_the_widgets(lab, cluster):
             browser.close()
 
 
-def _run_and_check(page, url: str) -> None:
-    """Opens the notebook, runs every cell, and checks the rendered widgets."""
-    page.goto(f"{url}/lab/tree/pathways.ipynb")
+def _open_and_run_all(page, url: str, name: str = "pathways.ipynb") -> None:
+    """Opens the notebook ``name`` and starts running every cell, once its kernel is up."""
+    page.goto(f"{url}/lab/tree/{name}")
     page.wait_for_selector(".jp-Notebook", timeout=60_000)
     # Run only once the notebook's own kernel is up: running earlier makes JupyterLab ask for a kernel.
     page.wait_for_function(
@@ -136,6 +136,11 @@ def _run_and_check(page, url: str) -> None:
     )
     # Start the run without awaiting it (the command's promise lasts until every cell has run).
     page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+
+
+def _run_and_check(page, url: str) -> None:
+    """Opens the notebook, runs every cell, and checks the rendered widgets."""
+    _open_and_run_all(page, url)
     page.wait_for_selector("text=more done", timeout=150_000)
     devices = page.locator(".pw-island-map .pw-device")
     devices.first.wait_for(timeout=60_000)
@@ -150,3 +155,59 @@ def _run_and_check(page, url: str) -> None:
     assert bars.count() > 8
     page.locator("svg.pw-timeline").screenshot(path=str(ARTIFACTS / "timeline.png"))
     page.screenshot(path=str(ARTIFACTS / "notebook.png"), full_page=True)
+
+
+def _profiling_notebook(address: str, token: str) -> nbformat.NotebookNode:
+    notebook = nbformat.v4.new_notebook()
+    notebook.metadata["kernelspec"] = {"name": "pathways", "display_name": "Python 3 (Pathways)", "language": "python"}
+    notebook.cells = [
+        nbformat.v4.new_code_cell(f"%pathways connect {address} --tenant profile-test --token {token}"),
+        nbformat.v4.new_code_cell(
+            "import tempfile, jax, jax.numpy as jnp, numpy as np\n"
+            "step = jax.jit(lambda w, x: w - 0.01 * jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w))\n"
+            "firsts = [jax.devices()[0], jax.devices()[4]]\n"
+            "ws = [jax.device_put(np.full((256, 256), 0.01, np.float32), d) for d in firsts]\n"
+            "xs = [jax.device_put(np.ones((128, 256), np.float32), d) for d in firsts]\n"
+            "def train(n):\n"
+            "    global ws\n"
+            "    for _ in range(n):\n"
+            "        ws = [step(w, x) for w, x in zip(ws, xs)]\n"
+            "    jax.block_until_ready(ws)\n"
+            "train(2); logdir = tempfile.mkdtemp()"
+        ),
+        nbformat.v4.new_code_cell("%%pathways profile {logdir}\ntrain(3)"),
+        nbformat.v4.new_code_cell("print('profiled', len(_.trace.devices))"),
+    ]
+    return notebook
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (make test installs it)")
+def test_device_timeline_of_a_profile_in_jupyterlab(lab, cluster):
+    """``%%pathways profile`` draws each device's ops in JupyterLab: a row per device of both islands."""
+    from playwright.sync_api import sync_playwright
+
+    url, root = lab
+    nbformat.write(_profiling_notebook(cluster.address, cluster.token), root / "profiling.ipynb")
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=CHROMIUM,
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update"],
+        )
+        page = browser.new_page(viewport={"width": 1400, "height": 1100})
+        try:
+            _open_and_run_all(page, url, "profiling.ipynb")
+            page.wait_for_selector("text=profiled 2", timeout=240_000)
+            timeline = page.locator("svg.pw-timeline").first
+            devices = page.evaluate(
+                "() => [...new Set([...document.querySelectorAll('svg.pw-timeline rect.pw-op')]"
+                ".map(r => r.dataset.device))].sort()"
+            )
+            assert devices == ["0", "4"], devices
+            timeline.screenshot(path=str(ARTIFACTS / "device-timeline.png"))
+            page.screenshot(path=str(ARTIFACTS / "profile-notebook.png"), full_page=True)
+        except Exception:
+            page.screenshot(path=str(ARTIFACTS / "failure.png"), full_page=True)
+            raise
+        finally:
+            browser.close()

@@ -51,16 +51,18 @@ UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 
 SHARDING_TYPES = (shardings.SINGLE_DEVICE, shardings.HLO, shardings.CONCRETE_EVEN, shardings.OPAQUE)
 PLUGIN_PROGRAM = "xla::ifrt::PluginProgram"
+CUSTOM_CALL_PROGRAM = "xla::ifrt::CustomCallProgram"
 TYPE_NAMES = (
     *SHARDING_TYPES,
     "xla::ifrt::XlaProgram",
     "xla::ifrt::XlaCompileOptions",
     PLUGIN_PROGRAM,
+    CUSTOM_CALL_PROGRAM,
     "xla::ifrt::PluginCompileOptions",
     "xla::ifrt::Unknown",
     "",
 )
-# Places and names a plugin program's requests name: inside the storage root, and attempts to leave it.
+# Places and names persistence requests name: inside the storage root, and attempts to leave it.
 PLACES = (
     "gs://fuzz-bucket/ckpt",
     "gs://fuzz-bucket/../../etc",
@@ -72,6 +74,8 @@ PLACES = (
     "gs://x\u00e9/\u4e2d",
 )
 NAMES = ("w", "params.w", "a/b", "../escape", ".", "", "x" * 300)
+# Places a profile may name: inside the storage root, outside it, malformed.
+TRACE_LOCATIONS = ("gs://fuzz-bucket/run", "gs://fuzz-bucket/../up", "/etc", "relative", "gs://", "s3://b/p", "")
 MEMORY_KINDS = ("device", "pinned_host", "unpinned_host", "hbm", "")
 DIMS = (0, 1, 2, 3, 4, 8, 1000, 1 << 31, 1 << 40, (1 << 63) - 1, -1, -(1 << 40))
 EDGE_INTS = (0, 1, 2, 3, 7, 255, 1 << 31, (1 << 31) - 1, 1 << 48, (1 << 63) - 1, -1, -(1 << 63))
@@ -258,6 +262,7 @@ class RequestMaker:
             shardings.CONCRETE_EVEN: self.messages.ifrt.ConcreteEvenShardingProto,
             shardings.OPAQUE: self.messages.ifrt.OpaqueShardingProto,
             "xla::ifrt::XlaCompileOptions": self.messages.ifrt.XlaCompileOptionsProto,
+            CUSTOM_CALL_PROGRAM: self.messages.ifrt.CustomCallProgramProto,
         }
 
     def request(self, kind: str | None = None):
@@ -315,7 +320,8 @@ class RequestMaker:
         message.type_name = rng.choice(TYPE_NAMES) if rng.random() < 0.9 else self._text()
         payload = self.payloads.get(message.type_name)
         if message.type_name == PLUGIN_PROGRAM and rng.random() < 0.85:
-            message.data = self.plugin_program()
+            data = self.plugin_program() if rng.random() < 0.5 else self.persistence_program()
+            message.data = _mutate(rng, data) if rng.random() < 0.15 else data
         elif payload is not None and rng.random() < 0.85:
             body = payload()
             self.fill(body, depth + 1)
@@ -324,16 +330,15 @@ class RequestMaker:
         else:
             message.data = rng.randbytes(rng.choice((0, 1, 8, 64)))
 
-    def plugin_program(self) -> bytes:
+    def persistence_program(self) -> bytes:
         """A plugin program's text: mostly an Orbax persistence request, plausible but for a field or two."""
         rng = self.rng
-        key = rng.choice((persistence.WRITE_KEY, persistence.READ_KEY, persistence.WRITE_KEY, "profileRequest", "x"))
+        key = rng.choice((persistence.WRITE_KEY, persistence.READ_KEY, persistence.WRITE_KEY))
         entries = [self._persistence_entry(key == persistence.READ_KEY) for _ in range(rng.choice((0, 1, 1, 2, 3)))]
         body = {"read_requests" if key == persistence.READ_KEY else "write_requests": entries}
         if rng.random() < 0.1:
             body = rng.choice(([], "x", None, {"write_requests": "x"}, {}))
-        text = nonxla.PLUGIN_PREFIX + json.dumps({key: body}).encode()
-        return _mutate(rng, text) if rng.random() < 0.15 else text
+        return nonxla.PLUGIN_PREFIX + json.dumps({key: body}).encode()
 
     def _persistence_entry(self, reading: bool) -> dict:
         """One array of a persistence request: well-formed half the time, else with one defect."""
@@ -410,6 +415,39 @@ class RequestMaker:
 
     def _text(self) -> str:
         return "".join(self.rng.choice("abc:_ \u00e9\u4e2d0") for _ in range(self.rng.randint(0, 12)))
+
+    def plugin_program(self) -> bytes:
+        """A plugin program's text: a profileRequest (well-formed or not), another key, or no JSON at all.
+
+        The traces it may start end by themselves within a second (``maxDurationSecs``), so none
+        outlives the run.
+        """
+        rng = self.rng
+        choice = rng.random()
+        if choice < 0.1:
+            return rng.randbytes(rng.choice((0, 8, 64)))
+        if choice < 0.2:
+            return b"__serialized_plugin_program " + rng.randbytes(rng.choice((0, 1, 32)))
+        request = {
+            "traceLocation": rng.choice(TRACE_LOCATIONS),
+            "maxNumHosts": rng.choice((0, 1, 2, -1, "1", 1 << 40)),
+            "includeResourceManagers": rng.choice((True, False, "yes")),
+            "maxDurationSecs": rng.choice((0.2, 1, -1, 1e300, "1")),
+        }
+        if rng.random() < 0.6:
+            request["xprofTraceOptions"] = {
+                "traceSessionName": rng.choice(("s", "", "../x", "a/b", self._text())),
+                "hostTraceLevel": rng.choice((0, 1, 2, 3, 7, -1)),
+                "pwTraceOptions": rng.choice(({}, {"enablePythonTracer": rng.random() < 0.5}, [], None)),
+            }
+        if rng.random() < 0.3:
+            request["devices"] = {"deviceIds": [rng.choice([*self.handles.devices, 99, -1]) for _ in range(2)]}
+        for key in [k for k in request if rng.random() < 0.1]:
+            del request[key]
+        request.setdefault("maxDurationSecs", 1)
+        key = "profileRequest" if rng.random() < 0.85 else rng.choice(("bulk_persistence_write_request", self._text()))
+        body = request if rng.random() < 0.9 else rng.choice(([], 1, None, "x"))
+        return b"__serialized_plugin_program " + json.dumps({key: body}).encode()
 
 
 def _clip(descriptor, value: int) -> int:
@@ -539,7 +577,9 @@ class FuzzSession:
 
     def step(self) -> None:
         r = self.rng.random()
-        if r < 0.62:
+        if r < 0.04:
+            self._plugin_program()
+        elif r < 0.62:
             self.send(*self.maker.request())
         elif r < 0.96:
             self._mutant()
@@ -564,6 +604,18 @@ class FuzzSession:
             # random bytes of generated requests, which it refuses at their header.
             request.compile_request.program.data = parse(original).compile_request.program.data
         self.send(kind, request)
+
+    def _plugin_program(self) -> None:
+        """A plugin program compiled, then executed now and then (random executes reach it too)."""
+        request = self.wire.messages.proxy.IfrtRequest()
+        compile_request = request.compile_request
+        compile_request.program.type_name = PLUGIN_PROGRAM
+        compile_request.program.data = self.maker.plugin_program()
+        compile_request.compile_options.type_name = "xla::ifrt::PluginCompileOptions"
+        self.send("compile_request", request, wait_s=30.0)
+        for _ in range(self.rng.choice((0, 1, 2))):
+            kind, execute = self.maker.request("loaded_executable_execute_request")
+            self.send(kind, execute)
 
     def _host_buffer_call(self) -> None:
         rng = self.rng

@@ -15,7 +15,7 @@ from nbclient import NotebookClient
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 DOCS_PAGE = NOTEBOOKS.parent / "docs" / "notebooks.md"
-EXECUTED = ["pipeline", "sharing", "multihost", "failures", "checkpoints"]
+EXECUTED = ["pipeline", "sharing", "multihost", "failures", "profiling", "checkpoints"]
 NOT_EXECUTED = {"cloud": "needs a remote cluster", "quickstart": "tests/test_quickstart.py runs it"}
 
 
@@ -148,3 +148,16 @@ def test_cloud_notebook_has_the_steps():
         "%pathways islands",
     ]:
         assert step in text, step
+
+
+def test_profiling_finds_the_slowest_op_on_both_islands(kernel_installed):
+    notebook, cells = _execute("profiling")
+    profiled = _cell(cells, "%%pathways profile")
+    assert "trace files in" in _outputs(profiled) and "xprof --logdir" in _outputs(profiled)
+    html = next(o["data"]["text/html"] for o in profiled.outputs if "text/html" in o.get("data", {}))
+    assert {"0", "2"} <= set(re.findall(r'class="pw-bar pw-op" data-device="(\d+)"', html)), "ops of both islands"
+    assert re.search(r"slowest op: \S+ in jit_train_step: [\d.]+ ms in all", _outputs(_cell(cells, "top = ")))
+    (svg,) = _widget_html(notebook, _cell(cells, "%pathways timeline"))
+    assert "pw-op" in svg and "pw-execute" in svg
+    files = _outputs(_cell(cells, "print(run.trace.xprof_command)"))
+    assert "island0-host0.xplane.pb" in files and "island1-host0.xplane.pb" in files

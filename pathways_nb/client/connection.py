@@ -77,6 +77,8 @@ class Session:
         self._observer: Observer | None = None
         self._state: pb.ClusterState | None = None
         self._note = ""
+        # What the devices did in profiled runs (``pathways_nb.profile``): drawn beside the proxy's events.
+        self.device_spans: list[pb.Event] = []
 
     @property
     def observer(self) -> Observer:
@@ -112,9 +114,15 @@ class Session:
         return [DeviceLabel(int(r.id), r.name, int(r.island)) for r in devices.itertuples() if r.id in mine]
 
     def timeline(self, last: int | None = None, step_program: str | None = None) -> Timeline:
-        """This session's compiles, executions, transfers and waits per device (the last ``last`` steps)."""
-        timeline = Timeline(self.observer.events(self.tenant), self.device_labels(), step_program)
+        """This session's compiles, executions, transfers and waits per device (the last ``last`` steps),
+        and the ops and programs of its profiled runs."""
+        events = [*self.observer.events(self.tenant), *self.device_spans]
+        timeline = Timeline(events, self.device_labels(), step_program)
         return timeline.last(last) if last else timeline
+
+    def add_device_spans(self, events: list[pb.Event], keep: int = 200_000) -> None:
+        """Adds a profiled run's device spans to the session's timelines (the newest ``keep``)."""
+        self.device_spans = [*self.device_spans, *events][-keep:]
 
     def trace(self, path: str, last: int | None = None) -> str:
         """Writes the timeline as Chrome-trace JSON (Perfetto, chrome://tracing); returns ``path``."""

@@ -77,6 +77,15 @@ class Observer:
         thread.start()
         return thread
 
+    def read_profile(self, location: str, session: str, timeout_s: float = 600.0):
+        """The trace files of one profile session the cluster wrote (``ProfileFileChunk``s, streamed)."""
+        try:
+            yield from self._stub.ReadProfile(
+                pb.ReadProfileRequest(location=location, session=session), timeout=timeout_s
+            )
+        except grpc.RpcError as error:
+            raise PathwaysError(f"reading the cluster's traces failed: {error.details()}") from None
+
     def end_sessions(self, tenant: str, secret: str) -> int:
         """Ends the sessions of ``tenant`` whose connection sent ``secret``; returns how many."""
         return self._call(self._stub.EndSessions, pb.EndSessionsRequest(tenant=tenant, secret=secret)).ended

@@ -25,6 +25,9 @@ COLORS = {
     "upload": "#b279a2",
     "download": "#9d755d",
     "wait": "#bab0ac",
+    # Device spans from a profile (``client.device_trace``): a program's run, and the XLA ops inside it.
+    "program": "#72b7b2",
+    "op": "#e45756",
 }
 COLUMNS = ["kind", "name", "device", "island", "start", "end", "duration_ms", "bytes", "failed", "tenant"]
 
@@ -71,8 +74,10 @@ class Timeline:
         """Start times (seconds since the epoch) of the step program's executions."""
         first_device: int | None = None
         starts = []
+        # The proxy's executions; a profile's device spans alone (``client.device_trace``) have program runs.
+        kind = "execute" if any(e.kind == "execute" for e in self.events) else "program"
         for e in self.events:
-            if e.kind == "execute" and e.name == self.step_program:
+            if e.kind == kind and e.name == self.step_program:
                 first_device = first_device if first_device is not None else (e.device_ids or [-1])[0]
                 if (e.device_ids or [-1])[0] == first_device:
                     starts.append(e.start)
@@ -159,12 +164,16 @@ class Timeline:
                 if device not in rows:
                     continue
                 y = top + rows[device] * row_height + 3
+                bar_height = row_height - 6
+                if e.kind == "op":  # an op in the lower half of its program's bar, so both show
+                    bar_height //= 2
+                    y += row_height - 6 - bar_height
                 w = max(1.0, (e.end - e.start) * scale)
                 title = f"{e.kind}: {e.name} ({(e.end - e.start) * 1e3:.2f} ms)" + (" FAILED" if e.failed else "")
                 outline = ' stroke="red"' if e.failed else ""
                 parts.append(
                     f'<rect class="pw-bar pw-{e.kind}" data-device="{device}" x="{x(e.start):.1f}" y="{y}" '
-                    f'width="{w:.1f}" height="{row_height - 6}" fill="{COLORS.get(e.kind, "#999")}"{outline}>'
+                    f'width="{w:.1f}" height="{bar_height}" fill="{COLORS.get(e.kind, "#999")}"{outline}>'
                     f"<title>{html.escape(title)}</title></rect>"
                 )
         legend_x = label_width

@@ -37,23 +37,27 @@ class TraceOptions:
     max_duration_s: float = 0.0  # 0: until stopped
 
 
+@dataclass(frozen=True)
+class Written:
+    """A trace kept: where (None: in memory), its bytes, and how long the stop and write took."""
+
+    path: Path | None
+    nbytes: int
+    seconds: float
+    xspace: bytes = b""
+
+
+Writer = Callable[[bytes], Written]
+
+
 @dataclass
 class _Trace:
     trace_id: str
     owner: str
     started: float
     session: object  # jaxlib's ProfilerSession
-    write: Callable[[bytes], Written]
+    write: Writer
     timer: threading.Timer | None = None
-
-
-@dataclass(frozen=True)
-class Written:
-    """A trace written to storage: the file, its size, and how long the stop and write took."""
-
-    path: Path
-    nbytes: int
-    seconds: float
 
 
 class ProcessProfiler:
@@ -71,22 +75,8 @@ class ProcessProfiler:
         with self._lock:
             return self._trace.owner if self._trace is not None else None
 
-    def start(
-        self,
-        trace_id: str,
-        owner: str,
-        options: TraceOptions,
-        storage: StorageRoot,
-        location: str,
-        session_name: str,
-        name: str,
-    ) -> Path:
-        """Starts tracing this process; returns the session directory the trace will be written to.
-
-        The directory is made (and checked to be inside ``storage``) now, so that a bad place fails
-        the start, not the stop.
-        """
-        directory = storage.directory(_session_location(location, session_name))
+    def start(self, trace_id: str, owner: str, options: TraceOptions, name: str, write: Writer) -> None:
+        """Starts tracing this process; ``write(xspace)`` keeps the trace when it stops (``stop``, or its duration)."""
         with self._lock:
             if self._trace is not None:
                 since = time.strftime("%H:%M:%S", time.localtime(self._trace.started))
@@ -94,20 +84,12 @@ class ProcessProfiler:
                     f"a trace is already running on {name} (taken by {self._trace.owner} since {since}); "
                     "one trace at a time: stop it first (jax.profiler.stop_trace())"
                 )
-            session = _profiler_session(options)
-
-            def write(xspace: bytes) -> Written:
-                started = time.monotonic()
-                path = storage.write(storage.directory(str(directory)), name + XPLANE_SUFFIX, xspace)
-                return Written(path, len(xspace), time.monotonic() - started)
-
-            trace = _Trace(trace_id, owner, time.time(), session, write)
+            trace = _Trace(trace_id, owner, time.time(), _profiler_session(options), write)
             if options.max_duration_s > 0:
                 trace.timer = threading.Timer(options.max_duration_s, self._stop_by_itself, (trace_id,))
                 trace.timer.daemon = True
                 trace.timer.start()
             self._trace = trace
-        return directory
 
     def stop(self, trace_id: str, name: str) -> Written:
         """Stops the trace ``trace_id`` and writes it; one that ended by itself reports what it wrote."""
@@ -128,9 +110,20 @@ class ProcessProfiler:
         if trace.timer is not None:
             trace.timer.cancel()
         started = time.monotonic()
-        xspace = trace.session.stop()
-        written = trace.write(xspace)
-        return Written(written.path, written.nbytes, time.monotonic() - started)
+        written = trace.write(trace.session.stop())
+        return Written(written.path, written.nbytes, time.monotonic() - started, written.xspace)
+
+    def abort(self, trace_id: str) -> None:
+        """Ends the trace ``trace_id`` without keeping it, if it runs (its start failed elsewhere)."""
+        with self._lock:
+            trace = self._trace
+            self._ended.pop(trace_id, None)
+            if trace is None or trace.trace_id != trace_id:
+                return
+            self._trace = None
+        if trace.timer is not None:
+            trace.timer.cancel()
+        trace.session.stop()
 
     def _stop_by_itself(self, trace_id: str) -> None:
         with self._lock:
@@ -145,8 +138,22 @@ class ProcessProfiler:
             self._ended[trace_id] = error
 
 
-def _session_location(location: str, session_name: str) -> str:
+def session_location(location: str, session_name: str) -> str:
+    """Where xprof finds the files of one trace session under a log directory."""
     return f"{location.rstrip('/')}/plugins/profile/{session_name}"
+
+
+def storage_writer(storage: StorageRoot, location: str, session_name: str, name: str) -> tuple[Path, Writer]:
+    """The session directory of ``location`` under ``storage`` (made now, so a bad place fails the start),
+    and a writer of ``<name>.xplane.pb`` there."""
+    directory = storage.directory(session_location(location, session_name))
+
+    def write(xspace: bytes) -> Written:
+        started = time.monotonic()
+        path = storage.write(storage.directory(str(directory)), name + XPLANE_SUFFIX, xspace)
+        return Written(path, len(xspace), time.monotonic() - started)
+
+    return directory, write
 
 
 def check_session_name(session_name: str) -> str:
@@ -164,7 +171,9 @@ def check_session_name(session_name: str) -> str:
 
 
 def _profiler_session(options: TraceOptions):
-    from jax._src.lib import _profiler
+    # jaxlib's own module, not jax's: a resource manager that never loaded jax starts tracing in
+    # well under a second instead of importing all of jax first (seconds on a busy machine).
+    from jaxlib import _profiler
 
     profile_options = _profiler.ProfileOptions()
     profile_options.host_tracer_level = options.host_tracer_level
@@ -179,3 +188,8 @@ def _profiler_session(options: TraceOptions):
 
 # This process's profiler (jaxlib allows one session per process).
 PROFILER = ProcessProfiler()
+
+
+def in_memory(xspace: bytes) -> Written:
+    """A writer that keeps the trace for whoever stops it (the resource manager hands it to the proxy)."""
+    return Written(None, len(xspace), 0.0, xspace)

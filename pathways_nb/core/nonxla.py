@@ -84,12 +84,14 @@ class Execution:
     """One execution of a planned program, as the proxy starts it.
 
     ``request``: what each host's half gets. ``on_proxy``: blocking work of the proxy's own, run off
-    its event loop beside the hosts (e.g. tracing the proxy itself). ``finished(error)``: called
-    once every host (and ``on_proxy``) is done, ``error`` None on success.
+    its event loop before the hosts' (e.g. tracing the proxy itself). ``undo``: a request that
+    undoes the execution where it succeeded, sent to every host if it failed on one (errors ignored).
+    ``finished(error)``: called once every host (and ``on_proxy``) is done, ``error`` None on success.
     """
 
     request: bytes
     on_proxy: Callable[[], None] | None = None
+    undo: bytes | None = None
     finished: Callable[[RequestError | None], None] | None = None
 
 
@@ -142,6 +144,8 @@ class SessionView:
     hosts: tuple[SessionHost, ...]
     # Whether the proxy itself is the only host (the single-process server): no separate proxy part.
     proxy_is_host: bool
+    # The session's ``runtime_api.DeviceSession``, for kinds that use the proxy's own services.
+    runtime: Any = None
 
     @property
     def default_device_id(self) -> int:

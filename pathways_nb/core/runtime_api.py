@@ -219,6 +219,11 @@ class Runtime(Protocol):
         """The proxy's event loop, before any session opens: streams of the runtime's own may live there."""
         ...
 
+    @property
+    def host(self) -> Any:
+        """The proxy's own place and storage root (a ``core.nonxla.HostContext``)."""
+        ...
+
     def close(self) -> None:
         """Lets go of everything (the server is stopping)."""
         ...
@@ -287,6 +292,12 @@ class DeviceSession(Protocol):
     @property
     def proxy_is_host(self) -> bool:
         """Whether the proxy's own process holds the devices (the single-process server)."""
+        ...
+
+    @property
+    def host(self) -> Any:
+        """The proxy's own place and storage root (a ``core.nonxla.HostContext``): the host's on the
+        single-process server, else the proxy's."""
         ...
 
     def run_program(self, plan: Any, request: bytes, args: Sequence) -> list:

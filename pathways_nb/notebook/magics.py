@@ -1,4 +1,4 @@
-"""The ``%pathways`` line magic: connect, look at the cluster, time the steps.
+"""The ``%pathways`` magic: connect, look at the cluster, time the steps, profile the devices.
 
     %pathways connect ADDRESS [--exclusive] [--devices N] [--only-islands 0,1] [--tenant T] [--weight W]
                               [--timeout S] [--token T]
@@ -6,6 +6,7 @@
     %pathways disconnect | status | devices | islands | allocations | help
     %pathways timeline [--live] [--last N]
     %pathways trace FILE [--last N]
+    %%pathways profile LOGDIR [--hosts N] [--no-servers] [--python]   (a cell magic: profiles the cell)
 
 Each subcommand calls the public Python API (``pathways_nb.connect``,
 ``Session.islands()``, ``Session.timeline()``, ...); misuse and failures
@@ -18,7 +19,7 @@ import argparse
 import shlex
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_magic, magics_class
+from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.display import display
 
 import pathways_nb
@@ -72,6 +73,11 @@ def _parser() -> _Parser:
     trace = commands.add_parser("trace", add_help=False, help="write the timeline as a Chrome/Perfetto trace")
     trace.add_argument("file")
     trace.add_argument("--last", type=int, default=None, help="only the last N steps")
+    profile = commands.add_parser("profile", add_help=False, help="(cell magic) profile the cell on the devices")
+    profile.add_argument("logdir", help="the run directory (xprof --logdir / TensorBoard reads it)")
+    profile.add_argument("--hosts", type=int, default=0, help="trace at most N hosts (default: all)")
+    profile.add_argument("--no-servers", action="store_true", help="leave the proxy and resource manager out")
+    profile.add_argument("--python", action="store_true", help="record Python calls too")
     return parser
 
 
@@ -82,12 +88,19 @@ class PathwaysMagics(Magics):
         self.monitor = ActivityMonitor()
         self.views: list = []
 
-    @line_magic
-    def pathways(self, line: str):
+    @line_cell_magic
+    def pathways(self, line: str, cell: str | None = None):
         """Connect to a Pathways cluster and look at it; ``%pathways help`` lists the subcommands."""
         args = _parser().parse_args(shlex.split(line))
         command = args.command or "help"
+        if (cell is None) == (command == "profile"):
+            raise UsageError(
+                "%%pathways profile LOGDIR is a cell magic (the cell is what it profiles); "
+                "the other subcommands are line magics: %pathways " + command
+            )
         try:
+            if cell is not None:
+                return self._profile(args, cell)
             return getattr(self, f"_{command}")(args)
         except PathwaysError as error:
             raise UsageError(str(error)) from None
@@ -187,6 +200,18 @@ class PathwaysMagics(Magics):
             f"wrote {len(timeline.events)} events on {len(timeline.devices)} device tracks to {path} "
             "(open it in https://ui.perfetto.dev or chrome://tracing)"
         )
+
+    def _profile(self, args, cell: str):
+        """Runs the cell inside ``pathways_nb.profile``; its result (the ``Profile``) shows what the devices did."""
+        self._session()
+        with pathways_nb.profile(
+            args.logdir, hosts=args.hosts, include_servers=not args.no_servers, python_tracer=args.python
+        ) as run:
+            result = self.shell.run_cell(cell)
+        print(f"{len(run.files)} trace files in {run.directory}\nPerfetto: {run.perfetto}\nXProf: {run.xprof_command}")
+        if not result.success:
+            result.raise_error()
+        return run  # shown as the cell's result; ``_.trace`` is what the devices did
 
 
 def load(ipython) -> None:

@@ -163,6 +163,7 @@ class TimelineView(_View):
         self.renders = 0
         self._labels = session.device_labels()
         self._events = session.observer.events(session.tenant)[-keep:]
+        self._spans_drawn = len(session.device_spans)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.refresh()
@@ -171,7 +172,8 @@ class TimelineView(_View):
 
     @property
     def timeline(self) -> Timeline:
-        timeline = Timeline(self._events, self._labels)
+        """The proxy's events and, beside them, the device spans of the session's profiled runs."""
+        timeline = Timeline([*self._events, *self.session.device_spans], self._labels)
         return timeline.last(self.last) if self.last else timeline
 
     def refresh(self) -> TimelineView:
@@ -194,8 +196,10 @@ class TimelineView(_View):
                 new = self.session.observer.events(self.session.tenant, after=after)
             except Exception:  # noqa: BLE001 - the session ended: stop quietly
                 return
-            if new:
+            spans = len(self.session.device_spans)
+            if new or spans != self._spans_drawn:
                 self._events = (self._events + new)[-self.keep :]
+                self._spans_drawn = spans
                 self.refresh()
 
     def stop(self) -> None:

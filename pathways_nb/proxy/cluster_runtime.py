@@ -327,6 +327,13 @@ class ClusterRuntime:
             for program_id in program_ids:
                 link.send(pb.Command(forget_program=pb.ForgetProgram(program=program_id)))
 
+    def profile_resource_manager(self, control: pb.ProfileControl) -> bytes:
+        """Starts or stops a trace of the resource manager's process; the stop returns it (blocks)."""
+        try:
+            return self._rm.Profile(control, timeout=120).xspace
+        except grpc.RpcError as error:
+            raise _rm_error(error, self.rm_address) from None
+
     def query(self, worker: pb.Device, command: pb.Command, field: str) -> pb.Reply:
         link = self.control_link(worker)
         return link.result(link.request(command, field))

@@ -501,6 +501,10 @@ class ClusterSession:
         """The proxy's own place, for the parts of non-XLA programs it runs itself."""
         return self.cluster.host
 
+    def profile_resource_manager(self, control: pb.ProfileControl) -> bytes:
+        """Starts or stops a trace of the resource manager (blocks); the stop returns it."""
+        return self.cluster.profile_resource_manager(control)
+
     def run_program(self, plan: nonxla.ProgramPlan, request: bytes, args: Sequence) -> list:
         """Sends each host of ``plan`` its part on this session's stream to it, waits for all, assembles the results.
 

@@ -11,6 +11,7 @@ those hosts' devices has finished, off the event loop; the status resolves when 
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 
@@ -18,6 +19,8 @@ from pathways_nb.core import nonxla
 from pathways_nb.core.dataflow import ArrayRecord, Pending
 from pathways_nb.protocol.errors import InvalidRequest, RequestError, as_request_error
 from pathways_nb.proxy.dispatch import DEFERRED
+
+_LOGGER = logging.getLogger(__name__)
 
 # How long an execution waits for the session's earlier work on its devices before it runs anyway.
 _EARLIER_WORK_WAIT_S = 600.0
@@ -41,7 +44,7 @@ def session_view(session) -> nonxla.SessionView:
         by_host.setdefault(place, []).append(device.id)
     hosts = tuple(nonxla.SessionHost(island, host, tuple(ids)) for (island, host), ids in sorted(by_host.items()))
     return nonxla.SessionView(
-        session.session_id, session.tenant, session.device_ids, hosts, session.runtime.proxy_is_host
+        session.session_id, session.tenant, session.device_ids, hosts, session.runtime.proxy_is_host, session.runtime
     )
 
 
@@ -135,7 +138,13 @@ def execute(session, loaded: NonXlaProgram, request, op_id):
             _wait_for(earlier)
             if execution.on_proxy is not None:
                 execution.on_proxy()
-            return session.runtime.run_program(plan, execution.request, [record.live() for record in inputs])
+            args = [record.live() for record in inputs]
+            try:
+                return session.runtime.run_program(plan, execution.request, args)
+            except RequestError:
+                if execution.undo is not None:
+                    _undo(session, plan, execution.undo, args)
+                raise
         finally:
             release_arguments()
 
@@ -163,16 +172,30 @@ def execute(session, loaded: NonXlaProgram, request, op_id):
         failed(failed_input)
     else:
         session.after(inputs, lambda: session.in_background(run, done), outputs=outputs, on_error=failed)
+    return execute_response(session, request, status, output_handles, outputs)
+
+
+def execute_response(session, request, status: Pending | None, handles: list[int], outputs: list[ArrayRecord]):
+    """The reply to an execute (of any program): its status handle, and the output specs if the server chose the
+    handles (the client's first execute of an executable; it caches them for the later ones)."""
     response = session.messages.proxy.LoadedExecutableExecuteResponse()
     if status is not None:
         response.status_handle = session.add_future(status, request.result_status_handle or None)
-    if not client_handles:
-        for handle, record in zip(output_handles, outputs, strict=True):
+    if not request.result_array_handle:
+        for handle, record in zip(handles, outputs, strict=True):
             out = response.outputs.add(array_handle=handle)
             out.dtype.kind = record.kind
             out.shape.dims.extend(record.shape)
             out.sharding.CopyFrom(record.sharding.to_proto())
     return response
+
+
+def _undo(session, plan: nonxla.ProgramPlan, undo: bytes, args: list) -> None:
+    """Undoes a failed execution on the hosts where it succeeded (best effort: the failure is what is reported)."""
+    try:
+        session.runtime.run_program(plan, undo, args)
+    except RequestError as error:
+        _LOGGER.info("undoing a failed %s left an error: %s", plan.name, error.message)
 
 
 def _wait_for(records: list[ArrayRecord]) -> None:

@@ -8,6 +8,7 @@ import grpc
 
 from pathways_nb._version import __version__
 from pathways_nb.core import session_options
+from pathways_nb.core.host_profiler import XPLANE_SUFFIX, check_session_name, session_location
 from pathways_nb.protocol.errors import RequestError
 from pathways_nb.proxy.context import ProxyContext
 from pathways_nb.proxy.service import IfrtProxyService
@@ -18,6 +19,8 @@ SERVICE_NAME = "pathways_nb.v1.Observe"
 
 # How often event watchers look for new events: live views stay live, and cost little.
 WATCH_INTERVAL_S = 0.2
+# Profile files go back in chunks of this size.
+PROFILE_CHUNK_BYTES = 1 << 20
 
 
 class ObserveService(cluster_pb2_grpc.ObserveServicer):
@@ -55,6 +58,29 @@ class ObserveService(cluster_pb2_grpc.ObserveServicer):
     async def GetEvents(self, request, context):
         events, _latest = self.context.events.after(request.after, request.tenant)
         return pb.EventBatch(events=events)
+
+    async def ReadProfile(self, request, context):
+        """The ``*.xplane.pb`` files of one trace session under this proxy's storage root, in chunks.
+
+        Read where the cluster wrote them: every server of a cluster shares one storage root (a
+        LocalCluster's directory, a volume on Kubernetes).
+        """
+        storage = self.context.runtime.host.storage
+        try:
+            directory = storage.resolve(session_location(request.location, check_session_name(request.session)))
+        except RequestError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error.message)
+        files = sorted(directory.glob(f"*{XPLANE_SUFFIX}")) if directory.is_dir() else []
+        if not files:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"no trace files of session {request.session!r} under {request.location} (at {directory})",
+            )
+        for path in files:
+            data = await asyncio.to_thread(path.read_bytes)
+            yield pb.ProfileFileChunk(name=path.name, size=len(data), data=data[:PROFILE_CHUNK_BYTES])
+            for start in range(PROFILE_CHUNK_BYTES, len(data), PROFILE_CHUNK_BYTES):
+                yield pb.ProfileFileChunk(data=data[start : start + PROFILE_CHUNK_BYTES])
 
     async def GetClusterState(self, request, context):
         try:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import grpc
 
+from pathways_nb.core import host_profiler
+from pathways_nb.protocol.errors import RequestError, as_request_error
 from pathways_nb.rm.allocator import Allocator, Unsatisfiable
 from pathways_nb.rm.registry import Registry
 from pathways_nb.rm.topology import Topology
@@ -265,6 +267,28 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
         self._cached = (self._version, now, state)
         return state
 
+    async def Profile(self, request, context):
+        """Starts or stops a trace of this process (the proxy asks, for a client's profile); the stop returns it."""
+
+        def control() -> bytes:
+            if request.start:
+                options = host_profiler.TraceOptions(
+                    request.host_tracer_level, request.python_tracer, {}, request.max_duration_s
+                )
+                host_profiler.PROFILER.start(
+                    request.trace, request.owner, options, "the resource manager", host_profiler.in_memory
+                )
+                return b""
+            return host_profiler.PROFILER.stop(request.trace, "the resource manager").xspace
+
+        try:
+            xspace = await asyncio.to_thread(control)
+        except RequestError as error:
+            await context.abort(_status_code(error), error.message)
+        except Exception as error:  # noqa: BLE001 - jaxlib's own failure, reported to the caller
+            await context.abort(grpc.StatusCode.INTERNAL, as_request_error(error).message)
+        return pb.ProfileResult(xspace=xspace)
+
     async def GetClusterState(self, request, context):
         return self.state()
 
@@ -278,3 +302,8 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
             # One update behind: the delta; further (this watcher was slow), or no deltas asked: all of it.
             yield publication.delta if request.deltas and publication.version == seen + 1 else self.state()
             seen = publication.version
+
+
+def _status_code(error: RequestError) -> grpc.StatusCode:
+    """The gRPC status code of a request error."""
+    return next(code for code in grpc.StatusCode if code.value[0] == error.code)

@@ -71,6 +71,11 @@ class ResourceManagerStub:
                 request_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.ClusterStateRequest.SerializeToString,
                 response_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.ClusterState.FromString,
                 _registered_method=True)
+        self.Profile = channel.unary_unary(
+                '/pathways_nb.v1.ResourceManager/Profile',
+                request_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.ProfileControl.SerializeToString,
+                response_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.ProfileResult.FromString,
+                _registered_method=True)
 
 
 class ResourceManagerServicer:
@@ -129,6 +134,14 @@ class ResourceManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Profile(self, request, context):
+        """Starts or stops a trace of the resource manager's own process (a client's profileRequest with
+        includeResourceManagers); the stop returns the trace, which the proxy writes beside the others.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ResourceManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -166,6 +179,11 @@ def add_ResourceManagerServicer_to_server(servicer, server):
                     servicer.WatchCluster,
                     request_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.ClusterStateRequest.FromString,
                     response_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.ClusterState.SerializeToString,
+            ),
+            'Profile': grpc.unary_unary_rpc_method_handler(
+                    servicer.Profile,
+                    request_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.ProfileControl.FromString,
+                    response_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.ProfileResult.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -369,6 +387,33 @@ class ResourceManager:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Profile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pathways_nb.v1.ResourceManager/Profile',
+            pathways__nb_dot_rpc_dot_cluster__pb2.ProfileControl.SerializeToString,
+            pathways__nb_dot_rpc_dot_cluster__pb2.ProfileResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class ObserveStub:
     """Served by the proxy, next to the IFRT proxy service: what notebooks show.
@@ -404,6 +449,11 @@ class ObserveStub:
                 '/pathways_nb.v1.Observe/GetHost',
                 request_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.GetHostRequest.SerializeToString,
                 response_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.HostInfo.FromString,
+                _registered_method=True)
+        self.ReadProfile = channel.unary_stream(
+                '/pathways_nb.v1.Observe/ReadProfile',
+                request_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.ReadProfileRequest.SerializeToString,
+                response_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.ProfileFileChunk.FromString,
                 _registered_method=True)
 
 
@@ -448,6 +498,14 @@ class ObserveServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadProfile(self, request, context):
+        """The files of one trace session (*.xplane.pb) that the cluster wrote under the proxy's storage root:
+        for each file its name and size first, then its bytes in chunks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ObserveServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -475,6 +533,11 @@ def add_ObserveServicer_to_server(servicer, server):
                     servicer.GetHost,
                     request_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.GetHostRequest.FromString,
                     response_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.HostInfo.SerializeToString,
+            ),
+            'ReadProfile': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadProfile,
+                    request_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.ReadProfileRequest.FromString,
+                    response_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.ProfileFileChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -613,6 +676,33 @@ class Observe:
             '/pathways_nb.v1.Observe/GetHost',
             pathways__nb_dot_rpc_dot_cluster__pb2.GetHostRequest.SerializeToString,
             pathways__nb_dot_rpc_dot_cluster__pb2.HostInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pathways_nb.v1.Observe/ReadProfile',
+            pathways__nb_dot_rpc_dot_cluster__pb2.ReadProfileRequest.SerializeToString,
+            pathways__nb_dot_rpc_dot_cluster__pb2.ProfileFileChunk.FromString,
             options,
             channel_credentials,
             insecure,

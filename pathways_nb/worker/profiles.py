@@ -21,6 +21,7 @@ default device (what pathwaysutils asks for, and discards); without, none.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -29,19 +30,20 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pathways_nb.core import nonxla
-from pathways_nb.core.host_profiler import PROFILER, TraceOptions, check_session_name
+from pathways_nb.core.host_profiler import PROFILER, TraceOptions, check_session_name, storage_writer
 from pathways_nb.core.storage import check_location
 from pathways_nb.core.string_arrays import StringArray
 from pathways_nb.protocol import dtypes
 from pathways_nb.protocol.errors import InvalidRequest, RequestError
 from pathways_nb.protocol.shardings import IfrtSharding
+from pathways_nb.rpc import cluster_pb2 as pb
 
 _LOGGER = logging.getLogger(__name__)
 
 KEY = "profileRequest"
-# The proxy's own trace and the resource manager's: called with (action, request) on the proxy,
-# off its event loop, where the cluster sets them (``proxy_part``); None on the single-process proxy.
-ProxyPart = Callable[[str, dict], None]
+# The proxy's own trace and the resource manager's (``trace_proxy``): called with a host's request on
+# the proxy, off its event loop; None on the single-process proxy, whose process is the host.
+ProxyPart = Callable[[dict], None]
 
 
 def _field(body: dict, name: str, kinds: tuple[type, ...], default: Any) -> Any:
@@ -103,17 +105,15 @@ class ProfilePlan(nonxla.ProgramPlan):
 
         on_proxy = None
         if self.proxy_part is not None and self.trace["include_proxy"]:
-            on_proxy = lambda: self.proxy_part(request["action"], request)  # noqa: E731
-        return nonxla.Execution(json.dumps(request).encode(), on_proxy, finished)
+            on_proxy = functools.partial(self.proxy_part, request)
+        # A start that failed on one host (another trace runs there) must not leave the others tracing.
+        undo = json.dumps({**request, "action": "abort"}).encode() if starting else None
+        return nonxla.Execution(json.dumps(request).encode(), on_proxy, undo, finished)
 
 
 class ProfileKind(nonxla.ProgramKind):
     kind = nonxla.PLUGIN
     key = KEY
-
-    def __init__(self) -> None:
-        # Set by the cluster's proxy (its own trace and the resource manager's).
-        self.proxy_part: ProxyPart | None = None
 
     def plan(self, body: Any, session: nonxla.SessionView) -> ProfilePlan:
         request = nonxla.json_body(body, KEY)
@@ -153,7 +153,7 @@ class ProfileKind(nonxla.ProgramKind):
         }
         return ProfilePlan(
             trace=trace,
-            proxy_part=None if session.proxy_is_host else self.proxy_part,
+            proxy_part=None if session.proxy_is_host else functools.partial(trace_proxy, session.runtime),
             kind=self.kind,
             key=self.key,
             name="profile",
@@ -177,25 +177,58 @@ class ProfileKind(nonxla.ProgramKind):
         return [StringArray(spec.shape, [text.encode()] * int(spec.shape[0] if spec.shape else 1)) for spec in results]
 
 
+def trace_options(request: dict) -> TraceOptions:
+    """The trace options of a host's start request."""
+    return TraceOptions(
+        request["hostTraceLevel"], request["pythonTracer"], request["advanced"], request["maxDurationSecs"]
+    )
+
+
 def run_trace(request: dict, context: nonxla.HostContext) -> str:
     """Starts or stops this process's trace as ``request`` says; what happened, in words."""
+    if request["action"] == "abort":
+        PROFILER.abort(request["trace"])
+        return "aborted"
     if request["action"] == "start":
-        options = TraceOptions(
-            request["hostTraceLevel"], request["pythonTracer"], request["advanced"], request["maxDurationSecs"]
-        )
-        directory = PROFILER.start(
-            request["trace"],
-            request["tenant"] or context.tenant,
-            options,
-            context.storage,
-            request["location"],
-            request["session"],
-            context.name,
+        directory, write = storage_writer(context.storage, request["location"], request["session"], context.name)
+        PROFILER.start(
+            request["trace"], request["tenant"] or context.tenant, trace_options(request), context.name, write
         )
         return f"tracing {context.name} into {directory}"
     written = PROFILER.stop(request["trace"], context.name)
     _LOGGER.info("wrote %s (%d bytes in %.2f s)", written.path, written.nbytes, written.seconds)
     return str(written.path)
+
+
+def trace_proxy(runtime: Any, request: dict) -> None:
+    """On a cluster's proxy: traces the proxy itself and the resource manager, beside the hosts.
+
+    The proxy's trace is ``proxy.xplane.pb``; the resource manager's comes back with its stop and is
+    written beside it as ``resource-manager.xplane.pb``. The resource manager's part is best effort
+    (one that cannot trace, an older one, is logged): it is not what a profile is taken for.
+    """
+    context = runtime.host.for_tenant(request["tenant"])
+    run_trace(request, context)
+    start = request["action"] == "start"
+    if request["action"] == "abort":
+        return
+    options = trace_options(request)
+    control = pb.ProfileControl(
+        start=start,
+        trace=request["trace"],
+        owner=context.tenant,
+        host_tracer_level=options.host_tracer_level,
+        python_tracer=options.python_tracer,
+        max_duration_s=options.max_duration_s,
+    )
+    try:
+        xspace = runtime.profile_resource_manager(control)
+    except RequestError as error:
+        _LOGGER.warning("the resource manager's part of the trace is missing: %s", error.message)
+        return
+    if not start and xspace:
+        _, write = storage_writer(context.storage, request["location"], request["session"], "resource-manager")
+        write(xspace)
 
 
 PROFILES = nonxla.register(ProfileKind())

@@ -303,16 +303,7 @@ def execute(session, request, op_id):
         session.after([*inputs, *reads], run, outputs=outputs, on_error=status.fail if status else None)
         if status is not None:
             _finish_when_computed(session, outputs, status)
-    response = session.messages.proxy.LoadedExecutableExecuteResponse()
-    if status is not None:
-        response.status_handle = session.add_future(status, request.result_status_handle or None)
-    if not client_handles:
-        for handle, record in zip(output_handles, outputs, strict=True):
-            out = response.outputs.add(array_handle=handle)
-            out.dtype.kind = record.kind
-            out.shape.dims.extend(record.shape)
-            out.sharding.CopyFrom(record.sharding.to_proto())
-    return response
+    return nonxla_programs.execute_response(session, request, status, output_handles, outputs)
 
 
 def _facts(record: ArrayRecord) -> ArgumentFacts:
