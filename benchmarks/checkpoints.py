@@ -18,7 +18,8 @@ Each client makes a float32 array of MIB MiB sharded over the 4 devices on the d
 ``NamedSharding``, and checks on the devices that both are bitwise equal. It reports GB/s (the save
 until ``wait_until_finished``, the restore until the array is ready), the growth of its own peak
 RSS over the save and over the restore, and the bytes the proxy moved between client and devices
-during the save (its upload and download events).
+during the save (its upload and download events); this process samples the workers' resident
+memory during the save (on CPU devices it includes the array itself, saved or not).
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
+import time
+
+import psutil
 
 from pathways_nb.client.observe import Observer
 from pathways_nb.launch.local_cluster import LocalCluster
@@ -78,6 +83,34 @@ CLIENT = """
 PATHS = {"persistence": "1", "notebook": "0"}
 
 
+class _WorkerMemory:
+    """Samples the workers' resident memory (all of them, summed) every 50 ms while it runs."""
+
+    def __init__(self, cluster: LocalCluster):
+        self._processes = [psutil.Process(w.process.pid) for w in cluster.workers.values()]
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.05):
+            self.samples.append((time.time(), sum(p.memory_info().rss for p in self._processes)))
+
+    def __enter__(self) -> _WorkerMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def growth_mib(self, start: float, end: float) -> float:
+        """The peak within [start, end] above the last sample before it."""
+        before = [rss for t, rss in self.samples if t < start] or [self.samples[0][1]]
+        during = [rss for t, rss in self.samples if start <= t <= end] or [before[-1]]
+        return (max(during) - before[-1]) / 2**20
+
+
 def _run_client(cluster: LocalCluster, observer: Observer, path_name: str, checkpoint: str, mib: int) -> dict:
     env = {key: value for key, value in os.environ.items() if not key.startswith("JAX_")}
     env.update(
@@ -87,13 +120,14 @@ def _run_client(cluster: LocalCluster, observer: Observer, path_name: str, check
         ENABLE_PATHWAYS_PERSISTENCE=PATHS[path_name],
     )
     after = max((e.sequence for e in observer.events()), default=0)
-    client = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(CLIENT), checkpoint, str(mib)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
+    with _WorkerMemory(cluster) as memory:
+        client = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(CLIENT), checkpoint, str(mib)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
     if client.returncode != 0:
         raise RuntimeError(f"the {path_name} client failed:\n{client.stderr[-4000:]}")
     lines = [json.loads(line) for line in client.stdout.splitlines() if line.startswith("{")]
@@ -103,7 +137,7 @@ def _run_client(cluster: LocalCluster, observer: Observer, path_name: str, check
         for e in observer.events(after=after)
         if e.kind in ("upload", "download") and saving <= e.start and e.end <= saved
     )
-    return {**result, "proxy_bytes": moved}
+    return {**result, "proxy_bytes": moved, "workers_save_mib": memory.growth_mib(saving, saved)}
 
 
 def main() -> int:
@@ -157,6 +191,7 @@ def _print(results: dict[str, list[dict]], mib: int) -> None:
     for label, key, digits in (
         ("client peak RSS growth, save", "save_peak_mib", 0),
         ("client peak RSS growth, restore", "restore_peak_mib", 0),
+        ("workers' RSS growth, save", "workers_save_mib", 0),
     ):
         values = {name: span([r[key] for r in rs], digits) + " MiB" for name, rs in results.items()}
         print(f"{label:<32} {values['persistence']:>14} {values['notebook']:>14}")
