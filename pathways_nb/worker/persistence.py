@@ -82,38 +82,49 @@ def _array_location(array: ArrayRequest) -> str:
     return array.location.rstrip("/") + "/" + array.name
 
 
-def _plan(kind: nonxla.ProgramKind, body: Any, session: nonxla.SessionView) -> tuple[list, tuple, bytes]:
-    arrays = requests.parse(kind.key, body)
-    device_ids = _devices(arrays, session, kind.key)
-    hosts = {
-        (host.island, host.host_index): [d for d in device_ids if d in host.device_ids]
-        for host in session.hosts
-        if set(host.device_ids) & set(device_ids)
-    }
-    return arrays, device_ids, HostRequest(arrays, hosts).encode(kind.key, body)
-
-
 def _where(context: nonxla.HostContext) -> str:
     return f"island {context.island} host {context.host_index}"
 
 
-class PersistenceWrite(nonxla.ProgramKind):
-    """Saves: each host writes the shards of the arguments it holds."""
+class _Persistence(nonxla.ProgramKind):
+    """What both kinds' proxy halves do: check the arrays' devices and places, tell each host its devices."""
 
     kind = nonxla.PLUGIN
-    key = requests.WRITE_KEY
+    verb = ""
 
     def plan(self, body: Any, session: nonxla.SessionView) -> nonxla.ProgramPlan:
-        arrays, device_ids, host_request = _plan(self, body, session)
+        arrays = requests.parse(self.key, body)
+        device_ids = _devices(arrays, session, self.key)
+        hosts = {
+            (host.island, host.host_index): [d for d in device_ids if d in host.device_ids]
+            for host in session.hosts
+            if set(host.device_ids) & set(device_ids)
+        }
         return nonxla.ProgramPlan(
             kind=self.kind,
             key=self.key,
-            name=f"checkpoint write of {len(arrays)} array(s)",
+            name=f"checkpoint {self.verb} of {len(arrays)} array(s)",
             device_ids=device_ids,
-            outputs=(),
-            request=host_request,
-            num_args=len(arrays),
+            outputs=self.outputs(arrays),
+            request=HostRequest(arrays, hosts).encode(self.key, body),
+            num_args=self.num_args(arrays),
         )
+
+    def outputs(self, arrays: list[ArrayRequest]) -> tuple[nonxla.OutputSpec, ...]:
+        return ()
+
+    def num_args(self, arrays: list[ArrayRequest]) -> int:
+        return 0
+
+
+class PersistenceWrite(_Persistence):
+    """Saves: each host writes the shards of the arguments it holds."""
+
+    key = requests.WRITE_KEY
+    verb = "write"
+
+    def num_args(self, arrays: list[ArrayRequest]) -> int:
+        return len(arrays)
 
     def run(self, request, runtime, args, device_ids, results, context) -> list:
         host = HostRequest.decode(request)
@@ -127,22 +138,14 @@ class PersistenceWrite(nonxla.ProgramKind):
         return []
 
 
-class PersistenceRead(nonxla.ProgramKind):
+class PersistenceRead(_Persistence):
     """Restores: each host reads the regions of the results its devices hold."""
 
-    kind = nonxla.PLUGIN
     key = requests.READ_KEY
+    verb = "read"
 
-    def plan(self, body: Any, session: nonxla.SessionView) -> nonxla.ProgramPlan:
-        arrays, device_ids, host_request = _plan(self, body, session)
-        return nonxla.ProgramPlan(
-            kind=self.kind,
-            key=self.key,
-            name=f"checkpoint read of {len(arrays)} array(s)",
-            device_ids=device_ids,
-            outputs=tuple(nonxla.OutputSpec(dtypes.from_numpy(a.dtype), a.shape, a.sharding) for a in arrays),
-            request=host_request,
-        )
+    def outputs(self, arrays: list[ArrayRequest]) -> tuple[nonxla.OutputSpec, ...]:
+        return tuple(nonxla.OutputSpec(dtypes.from_numpy(a.dtype), a.shape, a.sharding) for a in arrays)
 
     def run(self, request, runtime, args, device_ids, results, context) -> list:
         host = HostRequest.decode(request)
