@@ -171,12 +171,8 @@ def main() -> int:
 
 def _print(results: dict[str, list[dict]], mib: int) -> None:
     def span(values: list[float], digits: int = 2) -> str:
-        low, high = min(values), max(values)
-        return (
-            f"{low:.{digits}f}"
-            if f"{low:.{digits}f}" == f"{high:.{digits}f}"
-            else f"{low:.{digits}f}-{high:.{digits}f}"
-        )
+        low, high = (f"{v:.{digits}f}" for v in (min(values), max(values)))
+        return low if low == high else f"{low} to {high}" if low.startswith("-") else f"{low}-{high}"
 
     def gbps(result: dict, key: str) -> float:
         return result["nbytes"] / result[key] / 1e9
