@@ -37,10 +37,10 @@ def test_connect_after_local_use_disconnect_and_reconnect(proxy_server):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line.split() for line in result.stdout.splitlines()]
-    assert lines[0][:2] == ["local", "2.0"] and lines[0][2] != "proxy/pathways-nb"
-    assert lines[1] == ["remote", "4.0", "proxy/pathways-nb", "4"]
-    assert lines[2][:2] == ["local", "6.0"] and lines[2][2] != "proxy/pathways-nb"
-    assert lines[3] == ["remote", "8.0", "proxy/pathways-nb"]
+    assert lines[0][:2] == ["local", "2.0"] and lines[0][2] != "proxy/pathways"
+    assert lines[1] == ["remote", "4.0", "proxy/pathways", "4"]
+    assert lines[2][:2] == ["local", "6.0"] and lines[2][2] != "proxy/pathways"
+    assert lines[3] == ["remote", "8.0", "proxy/pathways"]
 
 
 def test_connecting_to_nothing_fails_within_the_timeout():

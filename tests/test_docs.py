@@ -6,7 +6,8 @@ fresh Pathways kernel. ```python skip and ```ipython skip blocks are
 illustrations only (code for a cluster or a hosted runtime the tests do not
 have); shell, YAML and text blocks are not Python. Any other block fails
 test_every_block_is_run_or_marked, so no example escapes by its label. The
-documented address grpc://127.0.0.1:29000 is replaced by the test server's.
+documented address grpc://127.0.0.1:29000 is replaced by the test server's, and its documented
+storage root /tmp/pathways-storage by the server's.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 BLOCK = re.compile(r"^```python\s*\n(.*?)^```", re.MULTILINE | re.DOTALL)
 IPYTHON_BLOCK = re.compile(r"^```ipython\s*\n(.*?)^```", re.MULTILINE | re.DOTALL)
 DOCUMENTED_ADDRESS = "grpc://127.0.0.1:29000"
+DOCUMENTED_STORAGE_ROOT = "/tmp/pathways-storage"
 FENCE = re.compile(r"^```(.*)$", re.MULTILINE)
 NOT_RUN = {"python skip", "ipython skip", "bash", "text", "yaml", "dockerfile"}
 
@@ -56,6 +58,7 @@ def _pages_with_examples() -> list[pathlib.Path]:
 @pytest.mark.parametrize("page", _pages_with_examples(), ids=lambda p: p.name)
 def test_examples_run(page, proxy_server, tmp_path):
     code = "\n".join(BLOCK.findall(page.read_text())).replace(DOCUMENTED_ADDRESS, proxy_server.address)
+    code = code.replace(DOCUMENTED_STORAGE_ROOT, proxy_server.storage_root)
     script = tmp_path / f"{page.stem}.py"
     script.write_text(code)
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}

@@ -16,6 +16,7 @@ and each server's memory is back near where it started.
 
 from __future__ import annotations
 
+import base64
 import collections
 import json
 import os
@@ -32,8 +33,10 @@ import psutil
 import pytest
 
 from pathways_nb import testing
+from pathways_nb.core import nonxla
+from pathways_nb.core import persistence_requests as persistence
 from pathways_nb.launch.local_cluster import LocalCluster
-from pathways_nb.protocol import data_messages, schema, shardings
+from pathways_nb.protocol import data_messages, op_sharding, schema, shardings
 from pathways_nb.testing import WireSession
 
 SEED = int(os.environ.get("PATHWAYS_FUZZ_SEED", "20261201"))
@@ -64,7 +67,19 @@ TYPE_NAMES = (
     "xla::ifrt::Unknown",
     "",
 )
-# Places a plugin program may name: inside the storage root, outside it, malformed.
+# Places and names persistence requests name: inside the storage root, and attempts to leave it.
+PLACES = (
+    "gs://fuzz-bucket/ckpt",
+    "gs://fuzz-bucket/../../etc",
+    "/etc",
+    "/",
+    "relative",
+    "gs://",
+    "",
+    "gs://x\u00e9/\u4e2d",
+)
+NAMES = ("w", "params.w", "a/b", "../escape", ".", "", "x" * 300)
+# Places a profile may name: inside the storage root, outside it, malformed.
 TRACE_LOCATIONS = ("gs://fuzz-bucket/run", "gs://fuzz-bucket/../up", "/etc", "relative", "gs://", "s3://b/p", "")
 MEMORY_KINDS = ("device", "pinned_host", "unpinned_host", "hbm", "")
 DIMS = (0, 1, 2, 3, 4, 8, 1000, 1 << 31, 1 << 40, (1 << 63) - 1, -1, -(1 << 40))
@@ -339,7 +354,7 @@ class RequestMaker:
         message.type_name = rng.choice(TYPE_NAMES) if rng.random() < 0.9 else self._text()
         payload = self.payloads.get(message.type_name)
         if message.type_name == PLUGIN_PROGRAM and rng.random() < 0.85:
-            data = self.plugin_program()
+            data = self.plugin_program() if rng.random() < 0.5 else self.persistence_program()
             message.data = _mutate(rng, data) if rng.random() < 0.15 else data
         elif payload is not None and rng.random() < 0.85:
             body = payload()
@@ -348,6 +363,61 @@ class RequestMaker:
             message.data = _mutate(rng, data) if rng.random() < 0.15 else data
         else:
             message.data = rng.randbytes(rng.choice((0, 1, 8, 64)))
+
+    def persistence_program(self) -> bytes:
+        """A plugin program's text: mostly an Orbax persistence request, plausible but for a field or two."""
+        rng = self.rng
+        key = rng.choice((persistence.WRITE_KEY, persistence.READ_KEY, persistence.WRITE_KEY))
+        entries = [self._persistence_entry(key == persistence.READ_KEY) for _ in range(rng.choice((0, 1, 1, 2, 3)))]
+        body = {"read_requests" if key == persistence.READ_KEY else "write_requests": entries}
+        if rng.random() < 0.1:
+            body = rng.choice(([], "x", None, {"write_requests": "x"}, {}))
+        return nonxla.PLUGIN_PREFIX + json.dumps({key: body}).encode()
+
+    def _persistence_entry(self, reading: bool) -> dict:
+        """One array of a persistence request: well-formed half the time, else with one defect."""
+        rng = self.rng
+
+        def b64(text: str) -> str:
+            return base64.b64encode(text.encode()).decode()
+
+        devices = rng.sample(self.handles.devices, rng.randint(1, len(self.handles.devices)))
+        dims = [rng.choice((1, 2, 4, 8)) * len(devices) for _ in range(rng.randint(0, 3))]
+        sharding = ""  # replicated
+        if dims and rng.random() < 0.5:  # split along the first dimension, over the devices
+            count = len(devices)
+            tiling = op_sharding.Tiling(count, (count,) + (1,) * (len(dims) - 1), 1, tuple(range(count)))
+            sharding = base64.b64encode(tiling.to_proto().SerializeToString()).decode()
+        entry = {
+            "b64_location": b64(PLACES[0]),
+            "b64_name": b64("w"),
+            "b64_hlo_sharding_string": sharding,
+            "shape": {"xla_primitive_type_str": rng.choice(("F32", "BF16", "S32")), "dimensions": dims}
+            if reading
+            else dims,
+            "devices": {"device_ids": devices},
+            "timeout": rng.choice(({"seconds": 5, "nanos": 0}, "5s")),
+        }
+        defect = rng.randrange(16)
+        if defect == 0:
+            entry["b64_location"] = b64(rng.choice(PLACES[1:])) if rng.random() < 0.9 else "%%"
+        elif defect == 1:
+            entry["b64_name"] = b64(rng.choice(NAMES[1:]))
+        elif defect == 2:
+            entry["b64_hlo_sharding_string"] = rng.choice(("!", b64("x"), base64.b64encode(rng.randbytes(24)).decode()))
+        elif defect == 3:
+            dims[:] = [rng.choice(DIMS) for _ in range(rng.randint(1, 3))]
+        elif defect == 4:
+            entry["devices"]["device_ids"] = [rng.choice(EDGE_INTS) for _ in range(rng.randint(0, 3))]
+        elif defect == 5:
+            entry["timeout"] = rng.choice(("0.001s", "x", {"seconds": -1}, 10**30, None, {"seconds": 10**18}))
+        elif defect == 6:
+            del entry[rng.choice(sorted(entry))]
+        elif defect == 7:
+            entry[rng.choice(sorted(entry))] = rng.choice(([], {}, 3, "x", None, [[1]]))
+        elif defect == 8 and reading:
+            entry["shape"]["xla_primitive_type_str"] = rng.choice(("TOKEN", "", "f32", 11))
+        return entry
 
     def scalar(self, descriptor):
         rng, name, kind = self.rng, descriptor.name, descriptor.cpp_type

@@ -155,7 +155,7 @@ def test_kernel_connects_at_start_with_pathways_address(kernel_installed, proxy_
     try:
         out = session.run("import jax; print(len(jax.devices()), jax.devices()[0].client.runtime_type)")
         assert f"connected to {proxy_server.address} (4 devices)" in out["stdout"]
-        assert "4 proxy/pathways-nb" in out["stdout"]
+        assert "4 proxy/pathways" in out["stdout"]
     finally:
         session.close()
 

@@ -16,7 +16,7 @@ from nbclient import NotebookClient
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 DOCS_PAGE = NOTEBOOKS.parent / "docs" / "notebooks.md"
-EXECUTED = ["pipeline", "sharing", "multihost", "failures", "profiling", "colocated_input"]
+EXECUTED = ["pipeline", "sharing", "multihost", "failures", "profiling", "colocated_input", "checkpoints"]
 NOT_EXECUTED = {"cloud": "needs a remote cluster", "quickstart": "tests/test_quickstart.py runs it"}
 
 
@@ -122,6 +122,18 @@ def test_failures_kill_a_worker_see_the_error_and_bring_it_back(kernel_installed
     assert down_island not in _widget_html(notebook, back)[0]
     assert re.search(r"island 1: \d", _outputs(_cell(cells, "x1 = jax.device_put")))
     assert "disconnected from" in _outputs(cells[-1])
+
+
+def test_checkpoints_are_written_by_the_workers_and_restore_into_another_mesh(kernel_installed):
+    _, cells = _execute("checkpoints")
+    assert "proxy/pathways CloudPathwaysArrayHandler" in _outputs(_cell(cells, "import jax"))
+    assert "steps: [100]" in _outputs(_cell(cells, "path = "))
+    files = _outputs(_cell(cells, "step_directory"))
+    assert "_METADATA" in files and "embed/ .zarray 0.0 0.1 1.0 1.1" in files and "bias/ .zarray 0" in files
+    assert "restored equal: True" in _outputs(_cell(cells, "target = {name"))
+    moved = _outputs(_cell(cells, "island1 = "))
+    assert moved.count("on devices [2, 3], equal: True") == 4 and "a step on island 1: (8, 256) True" in moved
+    assert "plain JAX equal: True" in _outputs(_cell(cells, "import subprocess"))
 
 
 def test_cloud_notebook_has_the_steps():

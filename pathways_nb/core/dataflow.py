@@ -96,6 +96,7 @@ class ArrayRecord:
     __slots__ = (
         "_delete_after_reads",
         "_pending",
+        "_read_waiters",
         "_readers",
         "_release",
         "deleted",
@@ -120,6 +121,8 @@ class ArrayRecord:
         # that a host view still references is a CHECK failure in XLA, which aborts the process).
         self._readers = 0
         self._delete_after_reads = False
+        # Records that become ready once no read is under way (a program that donates this array waits).
+        self._read_waiters: list[ArrayRecord] = []
 
     @classmethod
     def failed(
@@ -176,14 +179,18 @@ class ArrayRecord:
         self.deleted = True
         self.free()
         if self.ready:
-            if self.value is not None:
-                with _READS:
-                    if self._readers:
-                        self._delete_after_reads = True
-                        return
-                self.value.delete()
+            self._delete_value()
         else:
-            self.pending.on_done(lambda value, _error: value is not None and value.delete())
+            self.pending.on_done(lambda _value, _error: self._delete_value())
+
+    def _delete_value(self) -> None:
+        if self.value is None:
+            return
+        with _READS:
+            if self._readers:
+                self._delete_after_reads = True
+                return
+        self.value.delete()
 
     @property
     def is_deleted(self) -> bool:
@@ -211,11 +218,38 @@ class ArrayRecord:
                 ) from error
             raise
         finally:
-            with _READS:
-                self._readers -= 1
-                deferred = self._delete_after_reads and not self._readers
-            if deferred:
-                value.delete()
+            self.end_read()
+
+    def begin_read(self) -> None:
+        """Holds the value for a reader that starts later (a program's argument, from when it is issued).
+
+        Until ``end_read``, a deletion waits, and so does a program that donates the array
+        (``reads_done``): the reader finds the value it was given, as an IFRT program's arguments
+        stay alive until it has run.
+        """
+        with _READS:
+            self._readers += 1
+
+    def end_read(self) -> None:
+        with _READS:
+            self._readers -= 1
+            last = not self._readers
+            deferred = last and self._delete_after_reads
+            waiters, self._read_waiters = (self._read_waiters, []) if last else ([], self._read_waiters)
+        if deferred and self.value is not None:
+            self.value.delete()
+        for waiter in waiters:
+            waiter.set(None)
+
+    def reads_done(self) -> ArrayRecord:
+        """A record that is ready once no read of this one is under way (now, if none is)."""
+        gate = ArrayRecord(0, (), None)
+        with _READS:
+            if self._readers:
+                self._read_waiters.append(gate)
+                return gate
+        gate.set(None)
+        return gate
 
 
 def run_after(

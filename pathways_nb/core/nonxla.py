@@ -49,7 +49,7 @@ PLUGIN_PREFIX = b"__serialized_plugin_program "
 MAX_PROGRAM_BYTES = 4 << 20
 
 # The modules that register kinds (imported on first use, see ``kinds``).
-KIND_MODULES = ("pathways_nb.worker.profiles", "pathways_nb.worker.colocated")
+KIND_MODULES = ("pathways_nb.worker.profiles", "pathways_nb.worker.persistence", "pathways_nb.worker.colocated")
 
 
 @dataclass(frozen=True)

@@ -141,17 +141,30 @@ def execute(session, loaded: NonXlaProgram, request, op_id):
         for device_id in plan.host_device_ids:
             session.latest_nonxla_work[device_id] = outputs
 
+    # The arguments stay alive until the program has run (or will not): a deletion of one, or a
+    # program donating it, waits (an Orbax save's arrays may be donated by the next training step).
+    for record in inputs:
+        record.begin_read()
+    held = list(inputs)
+
+    def release_arguments() -> None:  # once: after the run, or instead of it
+        while held:
+            held.pop().end_read()
+
     def run() -> list:
-        _wait_for(earlier)
-        if execution.on_proxy is not None:
-            execution.on_proxy()
-        args = [record.live() for record in inputs]
         try:
-            return session.runtime.run_program(plan, execution.request, args)
-        except RequestError:
-            if execution.undo is not None:
-                _undo(session, plan, execution.undo, args)
-            raise
+            _wait_for(earlier)
+            if execution.on_proxy is not None:
+                execution.on_proxy()
+            args = [record.live() for record in inputs]
+            try:
+                return session.runtime.run_program(plan, execution.request, args)
+            except RequestError:
+                if execution.undo is not None:
+                    _undo(session, plan, execution.undo, args)
+                raise
+        finally:
+            release_arguments()
 
     def done(values, error: RequestError | None) -> None:
         if error is None and len(values) != len(outputs):
@@ -169,6 +182,7 @@ def execute(session, loaded: NonXlaProgram, request, op_id):
             status.fail(error) if error is not None else status.resolve(None)
 
     def failed(error: RequestError) -> None:
+        release_arguments()
         done(None, error)
 
     failed_input = next((record.error for record in inputs if record.ready and record.error is not None), None)

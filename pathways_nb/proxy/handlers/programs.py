@@ -299,7 +299,9 @@ def execute(session, request, op_id):
         if status is not None:
             status.fail(failed_input)
     else:
-        session.after(inputs, run, outputs=outputs, on_error=status.fail if status else None)
+        # A donated argument that a non-XLA program still reads (an Orbax save) is donated after it.
+        reads = [record.reads_done() for record in donated]
+        session.after([*inputs, *reads], run, outputs=outputs, on_error=status.fail if status else None)
         if status is not None:
             _finish_when_computed(session, outputs, status)
     return nonxla_programs.execute_response(session, request, status, output_handles, outputs)

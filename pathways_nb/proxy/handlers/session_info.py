@@ -10,7 +10,11 @@ from pathways_nb.protocol.errors import InvalidRequest
 from pathways_nb.proxy.dispatch import DEFERRED, handles
 from pathways_nb.proxy.versions import DEVICE_PLATFORM_NAME
 
-RUNTIME_TYPE = "pathways-nb"
+# What the client's ``runtime_type`` says (the client adds "proxy/"): Pathways on Cloud's word, since
+# Orbax keys on it (``multihost.is_proxy_pathways_backend``: "proxy/pathways" picks the persistence
+# handler, ``ocp.pathways.register_type_handlers`` and Orbax v1 the Pathways handlers). This server is
+# told apart by ``client_attributes["pathways_nb_version"]`` and by its observe API.
+RUNTIME_TYPE = "pathways"
 
 
 @handles("init_request")
