@@ -11,7 +11,8 @@ bug (an error nobody turned into a clear status). Afterwards every server
 process is alive (none was replaced), a stock jax client computes correctly,
 and each server's memory is back near where it started.
 
-``PATHWAYS_FUZZ_SEED`` and ``PATHWAYS_FUZZ_SECONDS`` (per target) change the run.
+``PATHWAYS_FUZZ_SEED``, ``PATHWAYS_FUZZ_SECONDS`` and ``PATHWAYS_FUZZ_REQUESTS`` (the least
+per target) change the run.
 """
 
 from __future__ import annotations
@@ -35,12 +36,16 @@ import pytest
 from pathways_nb import testing
 from pathways_nb.core import nonxla
 from pathways_nb.core import persistence_requests as persistence
+from pathways_nb.core.security import TOKEN_ENV
 from pathways_nb.launch.local_cluster import LocalCluster
 from pathways_nb.protocol import data_messages, op_sharding, schema, shardings
 from pathways_nb.testing import WireSession
 
 SEED = int(os.environ.get("PATHWAYS_FUZZ_SEED", "20261201"))
 SECONDS = float(os.environ.get("PATHWAYS_FUZZ_SECONDS", "15"))
+# Requests each target gets at least, however loaded the machine (within CAP_S more seconds).
+REQUESTS = int(os.environ.get("PATHWAYS_FUZZ_REQUESTS", "3000"))
+CAP_S = 300.0
 MIB = 1 << 20
 # Growth of a server's resident memory that the fuzzing may leave behind: caches of the
 # programs and shardings it made (the compile cache keeps up to 256 programs) and allocator
@@ -210,15 +215,26 @@ COLOCATED_CLIENT = """
 """
 
 
-def _run_client(address: str, stock: bool, script: str = CLIENT) -> str:
-    """Runs ``script`` against ``address``: with JAX's variables only (stock) or via ``pathways_nb.connect``."""
+# Traces every server process once (each loads its profiler on its first trace, and keeps it).
+WARM_PROFILERS = """
+    import tempfile
+    with tempfile.TemporaryDirectory() as logdir, pathways_nb.profile(logdir, progress=False):
+        jax.jit(lambda a: a * 2)(x).block_until_ready()
+    print("profiled")
+"""
+
+
+def _run_client(address: str, stock: bool, script: str = CLIENT, token: str | None = None) -> str:
+    """Runs ``script`` against ``address``: with JAX's variables only (stock) or via ``pathways_nb.connect``
+    (with the cluster's ``token``, which reading its profiles needs)."""
     if stock:
         env = {"JAX_PLATFORMS": "proxy,cpu", "JAX_BACKEND_TARGET": address}
         env["IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS"] = "true"
         process = testing.python_process(script, env=env)
     else:
         connect = "import sys, pathways_nb\npathways_nb.connect(sys.argv[1])\n"
-        process = testing.python_process(connect + textwrap.dedent(script), address)
+        env = {TOKEN_ENV: token} if token else None
+        process = testing.python_process(connect + textwrap.dedent(script), address, env=env)
     out, err = process.communicate(timeout=180)
     assert process.returncode == 0 and "client ok" in out, f"client failed:\n{out}\n{err[-4000:]}"
     return out
@@ -773,11 +789,18 @@ def _store_handle(wire: WireSession, metadata: dict) -> int:
 
 
 def _fuzz(address: str, corpus: list, seconds: float, seed: int, dead: Callable[[], list[str]]) -> Findings:
-    """Fuzzes sessions one after another for ``seconds``; stops early if a server process died."""
+    """Fuzzes sessions one after another for ``seconds`` and at least ``REQUESTS`` requests (within
+    ``seconds + CAP_S``: a loaded machine sends fewer a second, the run does the same work); stops early
+    if a server process died."""
     rng = random.Random(seed)
     findings = Findings()
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and not dead():
+    started = time.monotonic()
+
+    def more() -> bool:
+        elapsed = time.monotonic() - started
+        return (elapsed < seconds or findings.sent < REQUESTS) and elapsed < seconds + CAP_S
+
+    while more() and not dead():
         try:
             session = FuzzSession(address, rng, findings, corpus)
         except grpc.RpcError:
@@ -787,7 +810,7 @@ def _fuzz(address: str, corpus: list, seconds: float, seed: int, dead: Callable[
         try:
             session.replay()
             for _ in range(1500):
-                if time.monotonic() > deadline or session.stream_error is not None:
+                if not more() or session.stream_error is not None:
                     break
                 session.step()
         finally:
@@ -810,7 +833,8 @@ def _fuzz_and_check(
 ) -> None:
     pids = [psutil.Process(p.process.pid) for p in processes]
     earlier = testing.open_sessions(address, token)  # (this process's own, if a test before connected it)
-    _run_client(address, stock=False)  # warm: what a first client loads stays loaded
+    # Warm: what a first client loads stays loaded, the profilers that the fuzzer's traces start too.
+    _run_client(address, stock=False, script=CLIENT + WARM_PROFILERS, token=token)
     testing.wait_until_sessions_end(address, token, besides=earlier)
     before = _rss(pids)
     started = time.monotonic()
@@ -829,7 +853,7 @@ def _fuzz_and_check(
         f"{[b >> 20 for b in before]} / {[a >> 20 for a in after]}"
     )
     print(summary)
-    assert findings.sent > 2000, summary
+    assert findings.sent >= REQUESTS, summary
     assert not findings.bugs, summary + "\nfirst findings:\n" + "\n".join(findings.bugs[:15])
     for process, b, a in zip(processes, before, after, strict=True):
         assert a - b < RSS_SLACK, f"{process.name} grew by {(a - b) >> 20} MiB: {summary}"
@@ -846,15 +870,19 @@ def test_fuzz_single_process_proxy(proxy_server, captured):
     )
 
 
-def test_fuzz_cluster(cluster, captured):
+def _deaths(cluster: LocalCluster) -> Callable[[], list[str]]:
+    """What of ``cluster`` died from now on: a process down, or one the supervisor replaced (alive again)."""
     exits = len(cluster.exits)
 
     def dead() -> list[str]:
-        # A worker the supervisor replaced is alive again: its exit says it died.
         replaced = [f"{e.name}: {e.description}" for e in cluster.exits[exits:]]
         return replaced + [f"{p.name}: {p.log_tail()}" for p in cluster.processes() if not p.alive()]
 
-    _fuzz_and_check("cluster", cluster.processes(), dead, cluster.address, captured, SECONDS, cluster.token)
+    return dead
+
+
+def test_fuzz_cluster(cluster, captured):
+    _fuzz_and_check("cluster", cluster.processes(), _deaths(cluster), cluster.address, captured, SECONDS, cluster.token)
 
 
 def test_fuzz_colocated_python_cluster(captured):
@@ -868,11 +896,10 @@ def test_fuzz_colocated_python_cluster(captured):
         finally:
             relay.close()
 
-        def dead() -> list[str]:
-            return [f"{p.name}: {p.log_tail()}" for p in cluster.processes() if not p.alive()]
-
         corpus = captured + relay.log
-        _fuzz_and_check("colocated", cluster.processes(), dead, cluster.address, corpus, SECONDS)
+        _fuzz_and_check(
+            "colocated", cluster.processes(), _deaths(cluster), cluster.address, corpus, SECONDS, cluster.token
+        )
         _run_client(cluster.address, stock=False, script=COLOCATED_CLIENT)
 
 
