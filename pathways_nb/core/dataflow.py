@@ -11,6 +11,7 @@ a failed handle reports the original message.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -62,6 +63,26 @@ class Pending:
         for callback in callbacks:
             callback(value, error)
         return True
+
+
+async def wait_on_loop(pending: Pending) -> None:
+    """Waits, on the running event loop, until ``pending`` is resolved or failed (by any thread)."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    loop_thread = threading.get_ident()
+
+    def finish() -> None:
+        if not done.done():  # (a cancelled wait)
+            done.set_result(None)
+
+    def delivered(_value: Any, _error: BaseException | None) -> None:
+        if threading.get_ident() == loop_thread:
+            finish()
+        else:
+            loop.call_soon_threadsafe(finish)
+
+    pending.on_done(delivered)
+    await done
 
 
 def when_all(pendings: Sequence[Pending], callback: Callable[[BaseException | None], None]) -> None:
