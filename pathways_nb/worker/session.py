@@ -20,6 +20,7 @@ from pathways_nb.core.convert import sharding_from_proto
 from pathways_nb.core.dataflow import ArrayRecord, Pending, run_after
 from pathways_nb.core.events import EventSink, event
 from pathways_nb.core.memory import release_free_memory
+from pathways_nb.core.runtime_api import READ_AT_ONCE_BYTES
 from pathways_nb.protocol import dtypes
 from pathways_nb.protocol.errors import InvalidRequest, NotFound, RequestError, Unavailable, as_request_error
 from pathways_nb.rpc import cluster_pb2 as pb
@@ -322,6 +323,11 @@ class WorkerSession:
 
     def _fetch(self, command: pb.Fetch) -> None:
         record = self._record(command.id)
+        value = record.value
+        if record.ready and value is not None and not record.is_deleted and value.nbytes <= READ_AT_ONCE_BYTES:
+            if value.is_ready():  # computed and small: answered at once, with no hop to a thread that waits
+                record.read(lambda value: self._answer_bytes(command, value))
+                return
         self._answer_when_ready(
             [record],
             command.request,
