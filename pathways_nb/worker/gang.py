@@ -58,6 +58,9 @@ class Turn:
         """Host 0: the step is done only once each of ``others`` (another host's part) is."""
         self._others.extend(others)
 
+    def is_ready(self) -> bool:
+        return self.ran.done and all(part.done for part in self._others)
+
     def block_until_ready(self) -> None:
         for part in (self.ran, *self._others):
             done = threading.Event()
