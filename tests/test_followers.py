@@ -111,3 +111,26 @@ def test_programs_that_wait_for_their_turn_are_started_by_the_following_thread(p
     events.wait_for(1)
     assert dict(started)["b: waits for its turn"] != threading.get_ident()
     np.testing.assert_equal(sorted(name for name, _ in started), ["a: slow", "a: tiny", "b: waits for its turn"])
+
+
+def test_a_tenant_alone_gets_at_most_alone_depth_ahead_so_one_that_comes_back_waits_behind_no_more(programs):
+    """An island's share (``alone_depth``): a tenant that returns waits behind a few steps, not a whole queue."""
+    _tiny, slow = programs
+    share, started, events = FairShare(alone_depth=2), [], Events()
+
+    def dispatch(name):
+        def go():
+            started.append(name)
+            return [slow()]
+
+        return go
+
+    def ended(name):
+        return lambda start, end, failed: events(name)
+
+    for index in range(6):
+        share.submit("busy", 1.0, dispatch(f"busy {index}"), [0], ended(f"busy {index}"))
+    assert started == ["busy 0", "busy 1"]  # alone, yet only two ahead
+    share.submit("back", 1.0, dispatch("back"), [0], ended("back"))
+    events.wait_for(7)  # (all of them: no thread may be inside XLA when the interpreter exits)
+    assert started.index("back") <= 3, started  # behind the two in flight (and at most one chosen meanwhile)

@@ -51,16 +51,22 @@ BUSY_ACROSS_HOSTS = """
         step = jax.jit(lambda a, w: jnp.tanh(a @ a.T) / 600, out_shardings=rows)  # a cross-host all-gather
         x, w = jax.device_put(np.ones((600, 600), np.float32), rows), None
     else:                                                                   # each host its rows, alone
+        x = jax.device_put(np.ones((640, 640), np.float32), rows)
+        w = jax.device_put(np.eye(640, dtype=np.float32) / 2, replicated)
         step = jax.jit(lambda a, w: jnp.tanh(a @ w @ w @ w), out_shardings=rows)
-        x = jax.device_put(np.ones((512, 512), np.float32), rows)
-        w = jax.device_put(np.eye(512, dtype=np.float32) / 2, replicated)
+    if program == "no collective, host 1 slower":                           # twice the work on host 1
+        def part(a, w):
+            y = jnp.tanh(a @ w @ w @ w)
+            return jax.lax.cond(jax.lax.axis_index("x") == 1, lambda y: jnp.tanh(y @ w @ w @ w), lambda y: y, y)
+        step = jax.jit(jax.shard_map(part, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x")))
     outstanding, started = [], time.monotonic()
     print("ready", flush=True)
     sys.stdin.readline()
     while time.monotonic() - started < seconds:
         outstanding.append(step(x, w))                                      # always some work queued
-        if len(outstanding) > 32:
-            outstanding.pop(0).block_until_ready()
+        if len(outstanding) >= 40:   # a tenant's steps end in order: one wait per 8 (a loaded client keeps up)
+            outstanding[7].block_until_ready()
+            del outstanding[:8]
     for y in outstanding:
         y.block_until_ready()
     print("done", flush=True)
@@ -112,7 +118,8 @@ def _share_of_a_busy_island(cluster: LocalCluster, busy: str, *args: str) -> dic
     assert end - start > 8, (start, end)
     seconds = {t: _device_time(executes[t, 0], start, end) for t in clients}
     steps = {t: min(sum(start <= e.end <= end for e in executes[t, d]) for d in devices) for t in clients}
-    busy = sum(seconds.values()) / (end - start)
+    # How busy the island's busiest device was (a slower host's keeps the others waiting).
+    busy = max(sum(_device_time(executes[t, d], start, end) for t in clients) for d in devices) / (end - start)
     print(
         f"device time: heavy {seconds['heavy']:.2f} s, light {seconds['light']:.2f} s, "
         f"ratio {seconds['heavy'] / seconds['light']:.2f}, busy {busy:.2f}; completed steps: heavy "
@@ -137,14 +144,18 @@ def island_of_two_hosts():
         yield cluster
 
 
-@pytest.mark.parametrize("program", ["all-gather", "no collective"])
+@pytest.mark.parametrize("program", ["all-gather", "no collective", "no collective, host 1 slower"])
 def test_programs_across_hosts_follow_the_weights_whatever_they_communicate(island_of_two_hosts, program):
-    """Without a collective, host 1 runs its parts at its own pace: host 0's turns must wait for them too."""
+    """Without a collective, host 1 runs its parts at its own pace: host 0's turns must wait for them too.
+
+    Where host 1 is the slower (here made so: it does twice the work), counting host 0's parts alone
+    let the client's own window decide, 1:1.
+    """
     share = _share_of_a_busy_island(island_of_two_hosts, BUSY_ACROSS_HOSTS, program)
     seconds, steps = share["seconds"], share["steps"]
     assert share["busy"] > 0.5, share  # saturated (less than one host's worth: steps go in turn)
-    # Weights 1 and 3 (without host 1's parts in the accounting, a program with no collective got
-    # 1.2-1.6 in both). Steps spread more than device time: a tenant's step after the other's runs
-    # on cold caches, and the light tenant's steps mostly do.
+    # Weights 1 and 3: measured 2.6-3.6 (a program with no collective got 1.1-2.3 while host 0
+    # counted its own part alone; with host 1 slower, 0.9-1.1). Steps spread more than device time:
+    # a tenant's step after the other's runs on cold caches, and the light tenant's steps mostly do.
     assert 2.4 <= seconds["heavy"] / seconds["light"] <= 3.6, seconds
-    assert 2.2 <= steps["heavy"] / steps["light"] <= 4.5, steps
+    assert 2.3 <= steps["heavy"] / steps["light"] <= 4.2, steps

@@ -41,6 +41,8 @@ _LOGGER = logging.getLogger(__name__)
 Dispatch = Callable[[], Sequence]
 
 MAX_IN_FLIGHT = 2
+# Steps a tenant alone on the island is handed out ahead of their end on every host (see ``IslandOrder``).
+ALONE_AHEAD = 4
 
 
 class Turn:
@@ -87,8 +89,10 @@ class IslandOrder:
         self._follower.start()
         # Host 0: who gets the next step while several tenants saturate the island. Apart from the
         # share of the host's own devices, so that no step waits behind a one-host program that
-        # waits for the step's turn, or the other way round.
-        self.share = FairShare()
+        # waits for the step's turn, or the other way round. A tenant alone on the island gets at
+        # most ALONE_AHEAD steps ahead of their end: one that comes back (after its client stalled
+        # a moment, say) waits behind that many, not behind the other's whole queue.
+        self.share = FairShare(alone_depth=ALONE_AHEAD)
 
     def assign(self, key: str) -> tuple[int, Turn]:
         """Host 0: gives the program ``key`` the next step of the island; the turn is its part here."""

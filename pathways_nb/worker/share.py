@@ -1,7 +1,9 @@
 """Proportional share of an island's devices between tenants, by weight, when they are saturated.
 
 While one tenant alone has programs for the devices, each is dispatched as
-soon as its arguments are there (JAX's asynchronous dispatch, unchanged).
+soon as its arguments are there (JAX's asynchronous dispatch, unchanged), or,
+with ``alone_depth`` (an island's order of steps sets it), at most that many
+are in flight, so that a tenant that comes back waits behind no more.
 Once several tenants have programs pending, at most ``depth`` programs are in
 flight on the devices and the next one dispatched is the oldest program of
 the tenant with the least weighted device time (start-time fair queueing on
@@ -60,8 +62,10 @@ class _Program:
 class FairShare:
     """Dispatches the programs of one island's devices in proportional share between tenants."""
 
-    def __init__(self, depth: int = 1):
+    def __init__(self, depth: int = 1, alone_depth: int | None = None):
+        """``depth``: programs in flight while several tenants have work; ``alone_depth``: while one has (None: any)."""
         self.depth = depth
+        self.alone_depth = alone_depth
         self._lock = threading.Lock()
         self._tenants: dict[str, _Tenant] = {}
         self._in_flight = 0
@@ -115,8 +119,8 @@ class FairShare:
 
     def _saturated(self, entry: _Tenant) -> bool:
         others = any((e.pending or e.in_flight) for e in self._tenants.values() if e is not entry)
-        if not others:
-            return bool(entry.pending)  # alone: keep its own order, never wait for capacity
+        if not others:  # alone: keep its own order, and wait for capacity only beyond ``alone_depth``
+            return bool(entry.pending) or (self.alone_depth is not None and self._in_flight >= self.alone_depth)
         return bool(entry.pending) or self._in_flight >= self.depth
 
     def _start(self, entry: _Tenant) -> None:
@@ -126,7 +130,9 @@ class FairShare:
     def _next(self) -> tuple[str, _Program] | None:
         """The oldest program of the tenant with the least weighted device time, if any may start."""
         waiting = [(e.virtual_s, name) for name, e in self._tenants.items() if e.pending]
-        if not waiting or self._in_flight >= self.depth:
+        several = sum(1 for e in self._tenants.values() if e.pending or e.in_flight) > 1
+        limit = self.depth if several or self.alone_depth is None else self.alone_depth
+        if not waiting or self._in_flight >= limit:
             return None
         _, name = min(waiting)
         entry = self._tenants[name]
