@@ -98,6 +98,7 @@ class WorkerLink:
         self._forgotten: collections.deque[int] = collections.deque()
         self._wake_queued = False  # a wake-up of the writer is on its way (no second one is needed)
         self._forget_wake_queued = False  # forgotten ids wait for the next batch, or FORGET_DELAY_S
+        self._forget_due = False  # FORGET_DELAY_S passed: they go even with no command
         self._closed = False
         self._error: RequestError | None = None
         self._lost_at = 0.0
@@ -227,14 +228,16 @@ class WorkerLink:
         """
         with self._lock:
             self._forgotten.append(array_id)
-            wake = not self._forget_wake_queued and not self._wake_queued
+            schedule = not self._forget_wake_queued
             self._forget_wake_queued = True
-        if wake:
+        if schedule:
             self._on_loop(lambda: self._loop.call_later(FORGET_DELAY_S, self._wake_for_forgotten))
 
     def _wake_for_forgotten(self) -> None:
+        """No command took the forgotten ids along within ``FORGET_DELAY_S``: they go alone."""
         with self._lock:
-            wake = self._forget_wake_queued and self._queue_wake()
+            self._forget_due = self._forget_wake_queued
+            wake = self._forget_due and self._queue_wake()
         if wake:
             self._wake()
 
@@ -277,11 +280,12 @@ class WorkerLink:
         with self._lock:
             commands, self._pending = self._pending, []
             self._wake_queued = False
-            self._forget_wake_queued = False
             closed = self._closed or self._error is not None  # a broken stream takes no more
             forgotten = []
-            while self._forgotten:  # one at a time: a finalizer on this thread may add more meanwhile
-                forgotten.append(self._forgotten.popleft())
+            if commands or self._forget_due:  # forgotten ids ride along, or go alone once due
+                self._forget_wake_queued = self._forget_due = False
+                while self._forgotten:  # one at a time: a finalizer on this thread may add more meanwhile
+                    forgotten.append(self._forgotten.popleft())
         if forgotten:
             commands.append(pb.Command(forget=pb.Forget(ids=forgotten)))
         return (pb.CommandBatch(commands=commands) if commands else None), closed
