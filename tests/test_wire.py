@@ -130,6 +130,45 @@ def test_wrong_size_and_dtype_fail_on_use_with_the_reason(wire):
     assert "string" in message
 
 
+def _copy_to_host(session, array_handle: int, host_handle: int):
+    request = session.messages.proxy.CopyToHostBufferRequest(array_handle=array_handle, host_buffer_handle=host_handle)
+    return session.call("copy_to_host_buffer_request", request)
+
+
+def test_a_read_is_answered_before_its_bytes_exist_and_the_lookup_waits_for_them(wire):
+    """The stock client looks the bytes up only after this answer: it need not wait for the read."""
+    wire.call("make_array_from_host_buffer_request", _array_request(wire, 80))  # its upload comes later
+    assert _status(_copy_to_host(wire, 80, 81)) == (0, "")
+    value = np.arange(6, dtype=np.float32).reshape(2, 3)
+    wire.store_host_buffer(80, value.tobytes())
+    assert np.frombuffer(wire.lookup_host_buffer(81), np.float32).tolist() == value.ravel().tolist()
+    wire.delete_host_buffer(81)
+    with pytest.raises(grpc.RpcError) as error:
+        wire.lookup_host_buffer(81)
+    assert error.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_read_that_fails_after_its_answer_fails_the_lookup_with_the_reason(wire):
+    wire.call("make_array_from_host_buffer_request", _array_request(wire, 82))
+    assert _status(_copy_to_host(wire, 82, 83)) == (0, "")
+    wire.store_host_buffer(82, b"\x00" * 10)  # float32[2, 3] needs 24 bytes
+    with pytest.raises(grpc.RpcError) as error:
+        wire.lookup_host_buffer(83)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "10 bytes" in error.value.details() and "24" in error.value.details()
+    wire.delete_host_buffer(83)  # the stock client deletes after every lookup: no second error
+    test_a_well_formed_session_round_trips(wire)
+
+
+def test_a_read_into_a_host_buffer_handle_in_use_is_refused(wire):
+    _put(wire, 84, np.ones((2, 3), np.float32))
+    assert _status(_copy_to_host(wire, 84, 85)) == (0, "")
+    code, message = _status(_copy_to_host(wire, 84, 85))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "85" in message and "already in use" in message
+    assert np.frombuffer(wire.lookup_host_buffer(85), np.float32).tolist() == [1.0] * 6
+
+
 def test_upload_that_never_comes_times_out_with_a_clear_error(wire):
     started = time.monotonic()
     wire.call("make_array_from_host_buffer_request", _array_request(wire, 30))

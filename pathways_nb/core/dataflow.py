@@ -11,6 +11,7 @@ a failed handle reports the original message.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -62,6 +63,36 @@ class Pending:
         for callback in callbacks:
             callback(value, error)
         return True
+
+
+def fulfil(pending: Pending, work: Callable[[], Any]) -> None:
+    """Resolves ``pending`` with ``work()``, or fails it with the error ``work`` raised."""
+    try:
+        value = work()
+    except Exception as error:  # noqa: BLE001 - delivered to the pending's callbacks
+        pending.fail(as_request_error(error))
+        return
+    pending.resolve(value)
+
+
+async def wait_on_loop(pending: Pending) -> None:
+    """Waits, on the running event loop, until ``pending`` is resolved or failed (by any thread)."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    loop_thread = threading.get_ident()
+
+    def finish() -> None:
+        if not done.done():  # (a cancelled wait)
+            done.set_result(None)
+
+    def delivered(_value: Any, _error: BaseException | None) -> None:
+        if threading.get_ident() == loop_thread:
+            finish()
+        else:
+            loop.call_soon_threadsafe(finish)
+
+    pending.on_done(delivered)
+    await done
 
 
 def when_all(pendings: Sequence[Pending], callback: Callable[[BaseException | None], None]) -> None:
@@ -206,19 +237,50 @@ class ArrayRecord:
 
     def read(self, read: Callable[[Any], Any]) -> Any:
         """``read(value)`` off the request stream: a deletion that races it is FAILED_PRECONDITION, not a crash."""
-        with _READS:
-            value = self.live()
-            self._readers += 1
+        value = self._start_read()
         try:
             return read(value)
         except RuntimeError as error:  # jax: "Array has been deleted"
-            if self.is_deleted:
-                raise FailedPrecondition(
-                    f"a {list(self.shape)} array was deleted (or donated to a program) while it was being read"
-                ) from error
-            raise
+            failure = self._deleted_while_read(error)
+            if failure is error:
+                raise
+            raise failure from error
         finally:
             self.end_read()
+
+    def read_later(self, read: Callable[[Any], Pending]) -> Pending:
+        """``read(value)`` whose result arrives later: a deletion waits until it has arrived."""
+        value = self._start_read()
+        try:
+            reading = read(value)
+        except BaseException:
+            self.end_read()
+            raise
+        result = Pending()
+
+        def arrived(host: Any, error: BaseException | None) -> None:
+            self.end_read()
+            if error is None:
+                result.resolve(host)
+            else:
+                result.fail(self._deleted_while_read(error))
+
+        reading.on_done(arrived)
+        return result
+
+    def _deleted_while_read(self, error: BaseException) -> BaseException:
+        """The error to report for a failed read: FAILED_PRECONDITION if a deletion raced it."""
+        if self.is_deleted:
+            return FailedPrecondition(
+                f"a {list(self.shape)} array was deleted (or donated to a program) while it was being read"
+            )
+        return error
+
+    def _start_read(self) -> Any:
+        with _READS:
+            value = self.live()
+            self._readers += 1
+        return value
 
     def begin_read(self) -> None:
         """Holds the value for a reader that starts later (a program's argument, from when it is issued).

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
+from pathways_nb.core.dataflow import Pending
 from pathways_nb.protocol import dtypes
 from pathways_nb.protocol.errors import FailedPrecondition, InvalidRequest, NotFound
 from pathways_nb.protocol.shardings import IfrtSharding
@@ -101,6 +103,11 @@ def describe_device(
         memory_kinds=tuple(memory_kinds),
         attributes=attributes,
     )
+
+
+# A value of at most this many bytes is read on the thread that asks, if it is already computed: cheaper
+# than a hop to a thread that waits for it, which costs a notebook's ``float(f(x))`` a good part of its time.
+READ_AT_ONCE_BYTES = 64 << 10
 
 
 def not_in_session(device_id: int, session_device_ids: Sequence[int]) -> NotFound:
@@ -293,7 +300,13 @@ class DeviceSession(Protocol):
 
     def execute(self, program: ProgramInfo, args: Sequence, keep: frozenset[int] = frozenset()) -> list: ...
 
-    def to_host(self, value) -> np.ndarray: ...
+    def to_host_later(self, value, wait_pool: Executor) -> Pending:
+        """The value's global array on the host (``np.ndarray``), delivered to the returned pending.
+
+        Never waits on the calling thread (it may be the event loop's): a small value is read
+        at once where that costs nothing, else when a worker's reply arrives, else on ``wait_pool``.
+        """
+        ...
 
     def cost_analysis(self, program: ProgramInfo) -> dict[str, float]: ...
 

@@ -43,6 +43,9 @@ class StringArray:
     def block_until_ready(self) -> StringArray:
         return self
 
+    def is_ready(self) -> bool:
+        return True
+
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         host = np.empty(len(self.strings), dtype=object)
         host[:] = self.strings

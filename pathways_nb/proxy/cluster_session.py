@@ -17,7 +17,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Executor, Future
 from typing import TYPE_CHECKING
 
 import grpc
@@ -25,8 +25,10 @@ import numpy as np
 
 from pathways_nb.core import nonxla, string_arrays
 from pathways_nb.core.convert import array_meta
+from pathways_nb.core.dataflow import Pending, fulfil
 from pathways_nb.core.events import EventSink
 from pathways_nb.core.runtime_api import (
+    READ_AT_ONCE_BYTES,
     DeviceDescription,
     check_assemble_parts,
     check_sharding,
@@ -38,6 +40,7 @@ from pathways_nb.protocol import dtypes, schema
 from pathways_nb.protocol.errors import (
     InvalidRequest,
     RequestError,
+    as_request_error,
 )
 from pathways_nb.protocol.shardings import IfrtSharding
 from pathways_nb.proxy.remote_arrays import (
@@ -301,6 +304,10 @@ class ClusterSession:
     def disassemble(self, value, sharding: IfrtSharding) -> list:
         if isinstance(value, ShardedRemoteArray):
             return list(value.parts)
+        if isinstance(value, RemoteArray) and len(sharding.device_ids) == 1:
+            # Its one shard is the array itself (as a local jax array's one shard shares its buffer):
+            # no command to the worker, which reading a result back (fully_replicated_shard) would wait for.
+            return [value]
         parts = value.parts if isinstance(value, MultiHostArray) else [value]
         singles = {}
         for part in parts:
@@ -405,6 +412,27 @@ class ClusterSession:
         if value.kind == dtypes.STRING_KIND:
             return np.asarray(string_arrays.decode(data, value.shape))
         return np.frombuffer(data, dtypes.to_numpy(value.kind)).reshape(value.shape)
+
+    def to_host_later(self, value, wait_pool: Executor) -> Pending:
+        """A small array of one worker is fetched without waiting (its reply delivers it); others on ``wait_pool``."""
+        read = Pending()
+        numeric = isinstance(value, RemoteArray) and value.kind != dtypes.STRING_KIND
+        if not (numeric and value.nbytes <= READ_AT_ONCE_BYTES):
+            wait_pool.submit(fulfil, read, lambda: self.to_host(value))
+            return read
+        dtype = dtypes.to_numpy(value.kind)
+
+        def arrived(reply: Future) -> None:
+            try:
+                data = b"".join(reply.result())
+            except Exception as error:  # noqa: BLE001 - the read fails with it
+                failure, links = as_request_error(error), self._island_links(value.link.island)
+                wait_pool.submit(lambda: read.fail(explain_failure(failure, links)))  # it may wait for the cause
+                return
+            fulfil(read, lambda: np.frombuffer(data, dtype).reshape(value.shape))
+
+        value.link.fetch_in_reply(value.array_id).add_done_callback(arrived)
+        return read
 
     # -- programs --------------------------------------------------------------------------
 

@@ -5,9 +5,16 @@ arrive before its upload has finished. A consumer asks for the buffer with
 ``take()`` and gets a ``Pending`` that resolves when the bytes are stored, or
 fails after the upload time-out with an error that names the handle.
 
+A download is staged (``stage``) as soon as ``CopyToHostBuffer`` arrives,
+before its bytes are read: the request is answered at once, and the client's
+``HostBufferLookup`` waits for the bytes (``ready``). The stock client sends
+the lookup only after that answer, so answering first overlaps the read (a
+worker's round trip, in a cluster) with the client's own round trip.
+
 Every byte a session holds here counts against its host-buffer quota:
 an upload from the moment it starts (``reserve``, before any memory is
-allocated), a stored buffer until it is taken, deleted or the session ends.
+allocated), a download from the moment it is staged, a stored buffer until
+it is taken, deleted or the session ends.
 
 A client on the proxy's host may upload through shared memory instead
 (``HostBufferReadFromDisk``): it writes ``<its directory>/lt_<handle>`` and the
@@ -51,7 +58,9 @@ class HostBuffers:
         # handle -> (bytes, how many bytes of the quota they hold)
         self._stored: dict[int, tuple[memoryview, int]] = {}
         self._waiting: dict[int, Pending] = {}
-        # Uploads that arrived but could not be kept (over the quota), until a request takes them.
+        # Downloads staged and still being read: handle -> (the read, the bytes it holds of the quota).
+        self._reading: dict[int, tuple[Pending, int]] = {}
+        # Buffers that could not be kept (an upload over the quota, a failed read), until taken or deleted.
         self._failed: dict[int, RequestError] = {}
         self._closed_reason: str | None = None
         # The client's shared upload directory, once accepted; else why not.
@@ -127,7 +136,7 @@ class HostBuffers:
         store; if it cannot be stored, they are given back here.
         """
         with self._lock:
-            if self._closed_reason is not None or handle in self._stored:
+            if self._closed_reason is not None or handle in self._stored or handle in self._reading:
                 self.quota.give(reserved)
                 if self._closed_reason is not None:
                     raise Unavailable(self._closed_reason)
@@ -151,6 +160,44 @@ class HostBuffers:
                 self._failed[handle] = error
         if waiter is not None:
             waiter.fail(error)
+
+    def stage(self, handle: int, reserved: int) -> Pending:
+        """A download under ``handle`` whose bytes are still being read: resolve (or fail) the returned pending.
+
+        Until then ``ready(handle)`` gives the read to wait for; the ``reserved`` bytes stay counted
+        until the buffer is deleted (or given back at once if the read fails).
+        """
+        reading = Pending()
+        with self._lock:
+            if self._closed_reason is not None or self._known(handle):
+                self.quota.give(reserved)
+                if self._closed_reason is not None:
+                    raise Unavailable(self._closed_reason)
+                raise InvalidRequest(f"host buffer {handle} is already in use; handles are used once")
+            self._reading[handle] = (reading, reserved)
+        reading.on_done(lambda data, error: self._read_done(handle, reading, data, error))
+        return reading
+
+    def _known(self, handle: int) -> bool:
+        return handle in self._stored or handle in self._reading or handle in self._failed
+
+    def _read_done(self, handle: int, reading: Pending, data, error: BaseException | None) -> None:
+        with self._lock:
+            entry = self._reading.get(handle)
+            if entry is None or entry[0] is not reading:
+                return  # deleted (or the session closed) meanwhile: its bytes were given back then
+            del self._reading[handle]
+            if error is None:
+                self._stored[handle] = (data, entry[1])
+                return
+            self._failed[handle] = error if isinstance(error, RequestError) else DataLoss(str(error))
+        self.quota.give(entry[1])
+
+    def ready(self, handle: int) -> Pending | None:
+        """The read a download still waits for (``stage``), or None if its bytes are there (or it failed)."""
+        with self._lock:
+            entry = self._reading.get(handle)
+        return entry[0] if entry is not None else None
 
     def take(self, handle: int) -> Pending:
         """The buffer under ``handle``, removed from the store, now or once it is uploaded."""
@@ -179,19 +226,30 @@ class HostBuffers:
         return pending
 
     def read(self, handle: int) -> memoryview:
-        """The stored buffer, left in place (``HostBufferLookup``)."""
+        """The stored buffer, left in place (``HostBufferLookup``); a failed read raises its error."""
         with self._lock:
-            try:
-                return self._stored[handle][0]
-            except KeyError:
-                raise NotFound(f"no host buffer {handle} in this session") from None
+            stored = self._stored.get(handle)
+            failed = self._failed.get(handle)
+            reading = handle in self._reading
+            closed = self._closed_reason
+        if closed is not None:
+            raise Unavailable(closed)
+        if stored is not None:
+            return stored[0]
+        if failed is not None:
+            raise failed
+        if reading:
+            raise FailedPrecondition(f"host buffer {handle} is still being read; wait for it (ready)")
+        raise NotFound(f"no host buffer {handle} in this session")
 
     def delete(self, handle: int) -> None:
         with self._lock:
-            stored = self._stored.pop(handle, None)
-        if stored is None:
+            stored = self._stored.pop(handle, None) or self._reading.pop(handle, None)
+            failed = self._failed.pop(handle, None)
+        if stored is None and failed is None:
             raise NotFound(f"no host buffer {handle} in this session")
-        self.quota.give(stored[1])
+        if stored is not None:
+            self.quota.give(stored[1])
 
     def close(self, reason: str) -> None:
         """Drops every buffer and fails every request still waiting for one."""
@@ -199,9 +257,10 @@ class HostBuffers:
             self._closed_reason = reason
             waiting, self._waiting = self._waiting, {}
             stored, self._stored = self._stored, {}
+            reading, self._reading = self._reading, {}
             self._failed.clear()
-        self.quota.give(sum(reserved for _data, reserved in stored.values()))
-        for pending in waiting.values():
+        self.quota.give(sum(reserved for _data, reserved in [*stored.values(), *reading.values()]))
+        for pending in [*waiting.values(), *(read for read, _reserved in reading.values())]:
             pending.fail(Unavailable(reason))
         if self._shared_directory is not None:
             # A client killed mid-upload leaves files nobody reads: gone with its directory.

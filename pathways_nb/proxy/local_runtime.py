@@ -10,10 +10,12 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Sequence
+from concurrent.futures import Executor
 
 from pathways_nb.core import nonxla
+from pathways_nb.core.dataflow import Pending, fulfil
 from pathways_nb.core.events import EventSink
-from pathways_nb.core.runtime_api import check_sharding, not_in_session
+from pathways_nb.core.runtime_api import READ_AT_ONCE_BYTES, check_sharding, not_in_session
 from pathways_nb.core.storage import StorageRoot, default_root
 from pathways_nb.protocol.shardings import IfrtSharding
 from pathways_nb.rpc import cluster_pb2 as pb
@@ -99,7 +101,6 @@ class LocalSession:
         self.disassemble = runtime.disassemble
         self.copy = runtime.copy
         self.compile = runtime.compile
-        self.to_host = runtime.to_host
         self.cost_analysis = runtime.cost_analysis
         self.program_text = runtime.program_text
 
@@ -119,6 +120,15 @@ class LocalSession:
         if device_id not in self.device_ids:
             raise not_in_session(device_id, self.device_ids)
         return self.runtime.memory_kinds(self.runtime.device(device_id))
+
+    def to_host_later(self, value, wait_pool: Executor) -> Pending:
+        """The value on the host: read at once if it is computed and small, else on ``wait_pool`` (it waits)."""
+        read = Pending()
+        if value.nbytes <= READ_AT_ONCE_BYTES and value.is_ready():  # (a string array is a host value: ready)
+            fulfil(read, lambda: self.runtime.to_host(value))
+        else:
+            wait_pool.submit(fulfil, read, lambda: self.runtime.to_host(value))
+        return read
 
     def execute(self, program: Program, args: Sequence, keep: frozenset[int] = frozenset()) -> list:
         return self.runtime.execute(program, args, keep, timed=self.events)

@@ -7,9 +7,11 @@ handlers do not care where the devices are.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 
+from pathways_nb.protocol import dtypes
 from pathways_nb.protocol.errors import RequestError
 from pathways_nb.protocol.shardings import IfrtSharding
 from pathways_nb.proxy.worker_link import WorkerLink, WorkerLost
@@ -28,6 +30,10 @@ class RemoteArray:
         self.shape = shape
         self.sharding = sharding  # in the proxy's (global) device ids
         self._deleted = False
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtypes.to_numpy(self.kind).itemsize
 
     def delete(self) -> None:
         if not self._deleted:

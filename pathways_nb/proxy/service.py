@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from pathways_nb.core.dataflow import wait_on_loop
 from pathways_nb.protocol import attributes, data_messages, schema
 from pathways_nb.protocol.errors import DataLoss, RequestError
 from pathways_nb.proxy import (
@@ -40,6 +41,8 @@ STORE_METADATA_KEY = "ifrt-proxy-grpc-host-buffer-store-metadata-bin"
 LOOKUP_CHUNK_BYTES = (4 << 20) - 16  # room for the message's tag and length
 
 _GRPC_CODES = {code.value[0]: code for code in grpc.StatusCode}
+# Error messages in a status trailer (a download's) are cut to this length (gRPC's limit on metadata is 8 KiB).
+_TRAILER_CHARS = 4000
 
 
 class _Outbox:
@@ -265,12 +268,18 @@ class IfrtProxyService:
 
     async def HostBufferLookup(self, request, context):
         session = await self._session(request.session_id, context)
+        reading = session.host_buffers.ready(request.handle)
+        if reading is not None:
+            await wait_on_loop(reading)  # staged by CopyToHostBuffer, whose reply did not wait for the bytes
         try:
             data = session.host_buffers.read(request.handle)
         except RequestError as e:
-            await context.abort(_GRPC_CODES.get(e.code, grpc.StatusCode.INTERNAL), e.message)
+            await context.abort(_GRPC_CODES.get(e.code, grpc.StatusCode.INTERNAL), _trailer_text(e.message))
         if data.nbytes == 0:
             yield b""
+            return
+        if data.nbytes <= LOOKUP_CHUNK_BYTES:
+            yield data_messages.encode(data)  # one message: nothing for a progress bar to show
             return
         name = f"{data.nbytes >> 20} MiB from the server"
         with self.context.activities.track("download", name, session.tenant, data.nbytes) as progress:
@@ -333,6 +342,11 @@ class IfrtProxyService:
                 ),
             },
         )
+
+
+def _trailer_text(message: str) -> str:
+    """An error message short enough for a status trailer (clients refuse trailers of more than 8 KiB)."""
+    return message if len(message) <= _TRAILER_CHARS else message[: _TRAILER_CHARS - 3] + "..."
 
 
 async def _receive(request_iterator, size: int, progress) -> memoryview:

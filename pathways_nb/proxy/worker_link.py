@@ -50,6 +50,8 @@ CHUNK_BYTES = 4 << 20
 # just restarted on its old port inherits the failed connection's back-off (anyone who dialed the
 # port while it was down) and fails at once, and the session could never reach that worker again.
 LINK_OPTIONS = [*SERVER_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
+# Forgotten arrays wait at most this long for a command to go with (see ``WorkerLink.forget``).
+FORGET_DELAY_S = 0.02
 # The proxy's files for workers on its host.
 OUTBOX = shared_memory.Outbox("proxy")
 
@@ -95,6 +97,8 @@ class WorkerLink:
         self._pending: list[pb.Command] = []
         self._forgotten: collections.deque[int] = collections.deque()
         self._wake_queued = False  # a wake-up of the writer is on its way (no second one is needed)
+        self._forget_wake_queued = False  # forgotten ids wait for the next batch, or FORGET_DELAY_S
+        self._forget_due = False  # FORGET_DELAY_S passed: they go even with no command
         self._closed = False
         self._error: RequestError | None = None
         self._lost_at = 0.0
@@ -181,6 +185,14 @@ class WorkerLink:
             return bytearray().join(received)  # one copy (here, not on the loop), and writable as the array it becomes
         return received
 
+    def fetch_in_reply(self, array_id: int) -> Future:
+        """Asks for the bytes of array ``array_id`` in the reply itself, without waiting for them.
+
+        For small arrays (the worker never answers under ``shared_memory.MIN_BYTES`` with a file): the
+        future gets the list of the reply's byte chunks, on the link's loop.
+        """
+        return self.request(pb.Command(fetch=pb.Fetch(id=array_id)), "fetch", collect_bytes=True)
+
     def result(self, future: Future):
         """Waits for a reply of this link; refused on the event loop the link lives on, which would wait for itself."""
         if self._on_its_loop():
@@ -208,15 +220,26 @@ class WorkerLink:
         return future
 
     def forget(self, array_id: int) -> None:
-        """Lets the worker drop an array no handle refers to any more (sent with the next batch).
+        """Lets the worker drop an array no handle refers to any more: sent with the next batch, or alone soon.
 
+        Not at once: a read of the next value comes right after the client drops the last one
+        (``destruct_array``), and the worker reads one message fewer before it if this rides along.
         Called from finalizers, on any thread, at any moment (the lock is re-entrant).
         """
         with self._lock:
             self._forgotten.append(array_id)
-            wake = self._queue_wake()
+            schedule = not self._forget_wake_queued
+            self._forget_wake_queued = True
+        if schedule:
+            self._on_loop(lambda: self._loop.call_later(FORGET_DELAY_S, self._wake_for_forgotten))
+
+    def _wake_for_forgotten(self) -> None:
+        """No command took the forgotten ids along within ``FORGET_DELAY_S``: they go alone."""
+        with self._lock:
+            self._forget_due = self._forget_wake_queued
+            wake = self._forget_due and self._queue_wake()
         if wake:
-            self._on_loop(self._wake)
+            self._wake()
 
     def _queue_wake(self) -> bool:
         """Whether the writer must be woken (under the lock): not if a wake-up is already on its way."""
@@ -259,8 +282,10 @@ class WorkerLink:
             self._wake_queued = False
             closed = self._closed or self._error is not None  # a broken stream takes no more
             forgotten = []
-            while self._forgotten:  # one at a time: a finalizer on this thread may add more meanwhile
-                forgotten.append(self._forgotten.popleft())
+            if commands or self._forget_due:  # forgotten ids ride along, or go alone once due
+                self._forget_wake_queued = self._forget_due = False
+                while self._forgotten:  # one at a time: a finalizer on this thread may add more meanwhile
+                    forgotten.append(self._forgotten.popleft())
         if forgotten:
             commands.append(pb.Command(forget=pb.Forget(ids=forgotten)))
         return (pb.CommandBatch(commands=commands) if commands else None), closed

@@ -762,7 +762,8 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def OrderGang(self, request, context):
-        """From an island's host 0 to its other hosts: the island's order of multi-host programs.
+        """From an island's host 0 to its other hosts: the island's order of multi-host programs. Taken at
+        once; answered once this host's parts of those steps have run (host 0 counts them done then).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -15,6 +15,13 @@ ever taken inside it. At most ``MAX_IN_FLIGHT`` such programs are in flight:
 with more, XLA's CPU collectives can wait on each other's threads and never
 finish (a plain multi-process JAX loop of 2000 ``psum`` steps hangs the same
 way on jaxlib 0.10.2), so the dispatcher waits for the oldest first.
+
+A step's turn (``Turn``) ends when its part has run on every host, not only on
+host 0: each other host answers host 0's ``OrderGang`` once its parts of those
+steps have run (``ran``). A program with no collective between the hosts lets
+each host run at its own pace; were host 0's own part the measure, a slower host
+would fall behind by whole queues of steps, which it runs in the order it was
+given, and the weights would decide nothing.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 
+from pathways_nb.core.dataflow import Pending
 from pathways_nb.worker.share import FairShare
 
 _LOGGER = logging.getLogger(__name__)
@@ -33,26 +41,33 @@ _LOGGER = logging.getLogger(__name__)
 Dispatch = Callable[[], Sequence]
 
 MAX_IN_FLIGHT = 2
+# Steps a tenant alone on the island is handed out ahead of their end on every host (see ``IslandOrder``).
+ALONE_AHEAD = 4
 
 
 class Turn:
-    """Host 0's part of one step, as ``FairShare`` follows a program: ready once it has run.
+    """One step's part on this host, ready once it has run (or given its turn up: failed here, its session ended).
 
-    A part that gave its turn up (it failed here, its session ended) is ready at once.
+    On host 0 it is also what ``FairShare`` follows: ready once the other hosts have said that
+    their parts ran too (``wait_for``).
     """
 
     def __init__(self) -> None:
-        self._ran = threading.Event()
-        self._outputs: list = []
+        self.ran = Pending()  # resolved once this host's part has run
+        self._others: list[Pending] = []
 
-    def finish(self, outputs: Sequence) -> None:
-        self._outputs = list(outputs)[:1]
-        self._ran.set()
+    def wait_for(self, others: Sequence[Pending]) -> None:
+        """Host 0: the step is done only once each of ``others`` (another host's part) is."""
+        self._others.extend(others)
+
+    def is_ready(self) -> bool:
+        return self.ran.done and all(part.done for part in self._others)
 
     def block_until_ready(self) -> None:
-        self._ran.wait()
-        for output in self._outputs:
-            output.block_until_ready()
+        for part in (self.ran, *self._others):
+            done = threading.Event()
+            part.on_done(lambda _value, _error, done=done: done.set())
+            done.wait()
 
 
 class IslandOrder:
@@ -65,28 +80,31 @@ class IslandOrder:
         self._step_of: dict[str, int] = {}
         self._key_of: dict[int, str] = {}
         self._ready: dict[str, Dispatch | None] = {}
-        self._turns: dict[str, Turn] = {}  # host 0: the steps handed out whose part here has not run
+        self._turns: dict[str, Turn] = {}  # the steps ordered whose part here has not been dispatched
         self._runnable: queue.SimpleQueue = queue.SimpleQueue()
+        self._dispatched: queue.SimpleQueue = queue.SimpleQueue()  # (turn, outputs), until they are ready
         self._thread = threading.Thread(target=self._dispatch_forever, name="pathways-gang", daemon=True)
         self._thread.start()
+        self._follower = threading.Thread(target=self._follow_forever, name="pathways-gang-follow", daemon=True)
+        self._follower.start()
         # Host 0: who gets the next step while several tenants saturate the island. Apart from the
         # share of the host's own devices, so that no step waits behind a one-host program that
-        # waits for the step's turn, or the other way round.
-        self.share = FairShare()
+        # waits for the step's turn, or the other way round. A tenant alone on the island gets at
+        # most ALONE_AHEAD steps ahead of their end: one that comes back (after its client stalled
+        # a moment, say) waits behind that many, not behind the other's whole queue.
+        self.share = FairShare(alone_depth=ALONE_AHEAD)
 
     def assign(self, key: str) -> tuple[int, Turn]:
         """Host 0: gives the program ``key`` the next step of the island; the turn is its part here."""
         with self._lock:
             step = self._next_assigned
             self._next_assigned += 1
-            turn = self._turns[key] = Turn()
-            self._order(key, step)
-        return step, turn
+            return step, self._order(key, step)
 
-    def ordered(self, key: str, step: int) -> None:
-        """Hosts > 0: host 0 gave ``key`` step ``step``."""
+    def ordered(self, key: str, step: int) -> Turn:
+        """Hosts > 0: host 0 gave ``key`` step ``step``; the turn is this host's part."""
         with self._lock:
-            self._order(key, step)
+            return self._order(key, step)
 
     def ready(self, key: str, dispatch: Dispatch | None) -> None:
         """This host's part of ``key`` can run (``None``: it failed here; its turn passes)."""
@@ -94,10 +112,12 @@ class IslandOrder:
             self._ready[key] = dispatch
             self._release()
 
-    def _order(self, key: str, step: int) -> None:
+    def _order(self, key: str, step: int) -> Turn:
         self._step_of[key] = step
         self._key_of[step] = key
+        turn = self._turns[key] = Turn()
         self._release()
+        return turn
 
     def _release(self) -> None:
         """Queues every step whose turn has come, in order (called with the lock held)."""
@@ -106,31 +126,41 @@ class IslandOrder:
             if key is None or key not in self._ready:
                 return
             dispatch = self._ready.pop(key)
-            turn = self._turns.pop(key, None)
+            turn = self._turns.pop(key)
             del self._key_of[self._next_dispatched]
             del self._step_of[key]
             self._next_dispatched += 1
             if dispatch is not None:
                 self._runnable.put((dispatch, turn))
-            elif turn is not None:
-                turn.finish(())
+            else:
+                turn.ran.resolve(None)
 
     def _dispatch_forever(self) -> None:
         in_flight: collections.deque = collections.deque()
         while True:
             dispatch, turn = self._runnable.get()
             while len(in_flight) >= MAX_IN_FLIGHT:
-                outputs = in_flight.popleft()
-                for output in outputs[:1]:
-                    try:
-                        output.block_until_ready()
-                    except Exception:  # noqa: BLE001 - a failed program is finished too
-                        pass
+                _wait(in_flight.popleft())
             outputs: list = []
             try:
                 outputs = list(dispatch())
             except Exception:
                 _LOGGER.exception("dispatching an island program failed")
             in_flight.append(outputs)
-            if turn is not None:
-                turn.finish(outputs)
+            self._dispatched.put((turn, outputs))
+
+    def _follow_forever(self) -> None:
+        """Tells each dispatched step's turn when its part here has run, in dispatch order."""
+        while True:
+            turn, outputs = self._dispatched.get()
+            _wait(outputs)
+            turn.ran.resolve(None)
+
+
+def _wait(outputs: Sequence) -> None:
+    """Until a dispatched part's outputs are computed (one of them: they finish together); failed ones too."""
+    for output in outputs[:1]:
+        try:
+            output.block_until_ready()
+        except Exception:  # noqa: BLE001 - a failed program is finished too
+            pass

@@ -256,6 +256,8 @@ class LocalRuntime:
         """The single-device arrays of ``array``, in the order of ``sharding``'s devices."""
         if isinstance(array, StringArray):  # a host value: each device's shard is a copy of it
             return [StringArray(array.shape, array.strings) for _ in self.local_part(sharding).device_ids]
+        if len(sharding.device_ids) == 1 and len(array.sharding.device_set) == 1:
+            return [array]  # its one shard (which would share its buffer anyway), without building shards
         by_device = {shard.device.id: shard.data for shard in array.addressable_shards}
         return [by_device[device_id] for device_id in self.local_part(sharding).device_ids]
 

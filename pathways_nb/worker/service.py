@@ -20,6 +20,7 @@ import numpy as np
 
 from pathways_nb.core import shared_memory
 from pathways_nb.core.aio_server import SERVER_OPTIONS
+from pathways_nb.core.dataflow import Pending, wait_on_loop
 from pathways_nb.core.nonxla import HostContext
 from pathways_nb.core.security import ClusterCredentials
 from pathways_nb.core.storage import StorageRoot, default_root
@@ -44,6 +45,9 @@ _EVENTS_DELAY_S = 0.05
 # How long an array pushed by a peer waits for its session's stream from the proxy to open (the
 # proxy opens it before it asks the peer to send, but the two streams are not ordered).
 EARLY_PUSH_WAIT_S = 10.0
+# How long host 0 waits for another host to report that its part of a step has run; a step that
+# runs longer (or a host that does not answer) stops holding the island's turn after this.
+PART_REPORT_TIMEOUT_S = 30.0
 
 
 class _Replies:
@@ -262,22 +266,29 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
                 shared_memory.discard(header.shared.path)  # taken by now, or never will be
 
     async def OrderGang(self, request, context):
-        for step in request.steps:
-            self.island_order.ordered(step.gang, step.step)
+        """Takes host 0's order at once, and answers once this host's parts of those steps have run.
+
+        Host 0 counts a step as done (for the tenants' weights) only when the answer comes.
+        """
+        turns = [self.island_order.ordered(step.gang, step.step) for step in request.steps]
+        for turn in turns:
+            await wait_on_loop(turn.ran)
         return pb.GangOrdersAck()
 
-    def announce_step(self, peers: Sequence[str], gang: str, step: int) -> None:
-        """Host 0: tells the island's other hosts the step of a multi-host program (sent off this thread)."""
+    def announce_step(self, peers: Sequence[str], gang: str, step: int) -> list[Pending]:
+        """Host 0: tells the island's other hosts the step of a multi-host program, without waiting.
+
+        Returns, per host, what is done once that host's part of the step has run (or once
+        telling it failed, or took longer than ``PART_REPORT_TIMEOUT_S``: then it no longer counts).
+        """
         orders = pb.GangOrders(steps=[pb.GangStep(gang=gang, step=step)])
-
-        def send(address: str) -> None:
-            try:
-                self._peer(address).OrderGang(orders, timeout=30)
-            except grpc.RpcError as error:
-                _LOGGER.warning("telling %s the island's order failed: %s", address, error.details())
-
+        reported = []
         for address in peers:
-            self.pool.submit(send, address)
+            ran = Pending()
+            call = self._peer(address).OrderGang.future(orders, timeout=PART_REPORT_TIMEOUT_S)
+            call.add_done_callback(lambda call, ran=ran, address=address: _part_reported(call, ran, address))
+            reported.append(ran)
+        return reported
 
     def _peer(self, address: str) -> cluster_pb2_grpc.WorkerStub:
         with self._peers_lock:
@@ -293,6 +304,16 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
         if self.colocated is not None:
             self.colocated.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _part_reported(call: grpc.Future, ran: Pending, address: str) -> None:
+    try:
+        error = call.exception()
+    except grpc.FutureCancelledError:
+        error = None
+    if error is not None and error.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+        _LOGGER.warning("telling %s the island's order failed: %s", address, error.details())
+    ran.resolve(None)
 
 
 def local_devices(runtime: LocalRuntime, device_ids) -> list[pb.LocalDevice]:

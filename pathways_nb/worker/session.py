@@ -17,9 +17,10 @@ import numpy as np
 
 from pathways_nb.core import nonxla, shared_memory
 from pathways_nb.core.convert import sharding_from_proto
-from pathways_nb.core.dataflow import ArrayRecord, run_after
+from pathways_nb.core.dataflow import ArrayRecord, Pending, run_after
 from pathways_nb.core.events import EventSink, event
 from pathways_nb.core.memory import release_free_memory
+from pathways_nb.core.runtime_api import READ_AT_ONCE_BYTES
 from pathways_nb.core.string_arrays import StringArray
 from pathways_nb.protocol import dtypes
 from pathways_nb.protocol.errors import InvalidRequest, NotFound, RequestError, Unavailable, as_request_error
@@ -70,7 +71,7 @@ class WorkerSession:
         push: Callable[[str, pb.ArrayChunk, np.ndarray | None], bool],
         events: EventSink,
         order: IslandOrder | None = None,
-        announce: Callable[[Sequence[str], str, int], None] | None = None,
+        announce: Callable[[Sequence[str], str, int], Sequence[Pending]] | None = None,
         share: FairShare | None = None,
         outbox: shared_memory.Outbox | None = None,
         host: nonxla.HostContext | None = None,
@@ -280,14 +281,15 @@ class WorkerSession:
 
         While several tenants' programs saturate the island, the next step goes to the tenant with
         the least weighted device time instead (the island's ``FairShare``, which follows each step
-        until its part here has run), so weights hold for programs that span hosts too; each
-        tenant's programs keep their order.
+        until its part has run on every host: the others report theirs in their answers to
+        ``OrderGang``), so weights hold for programs that span hosts too, whether or not they
+        communicate; each tenant's programs keep their order.
         """
         key, peers = command.gang, list(command.gang_peers)
 
         def assign() -> list:
             step, turn = self._order.assign(key)
-            self._announce(peers, key, step)
+            turn.wait_for(self._announce(peers, key, step))  # the step is done once every host's part is
             return [turn]
 
         self._order.share.submit(command.tenant or self.key, command.weight or 1.0, assign)
@@ -325,6 +327,11 @@ class WorkerSession:
 
     def _fetch(self, command: pb.Fetch) -> None:
         record = self._record(command.id)
+        value = record.value
+        if record.ready and value is not None and not record.is_deleted and value.nbytes <= READ_AT_ONCE_BYTES:
+            if value.is_ready():  # computed and small: answered at once, with no hop to a thread that waits
+                record.read(lambda value: self._answer_bytes(command, value))
+                return
         self._answer_when_ready(
             [record],
             command.request,

@@ -1,7 +1,9 @@
 """Proportional share of an island's devices between tenants, by weight, when they are saturated.
 
 While one tenant alone has programs for the devices, each is dispatched as
-soon as its arguments are there (JAX's asynchronous dispatch, unchanged).
+soon as its arguments are there (JAX's asynchronous dispatch, unchanged), or,
+with ``alone_depth`` (an island's order of steps sets it), at most that many
+are in flight, so that a tenant that comes back waits behind no more.
 Once several tenants have programs pending, at most ``depth`` programs are in
 flight on the devices and the next one dispatched is the oldest program of
 the tenant with the least weighted device time (start-time fair queueing on
@@ -13,7 +15,10 @@ brought up to the least active one's when it returns).
 One thread learns when each program's results are ready, and from that alone
 charges its tenant, releases the next dispatch and reports the program's busy
 interval on its devices (``Finished``: the worker's ``execute`` events), so a
-program costs the worker one wake-up while the device computes.
+program costs the worker one wake-up while the device computes; none if its
+results are ready when its dispatch returns (XLA's CPU client runs a small
+program inside the dispatch) and no older program is still followed: then the
+dispatching thread does that at once.
 """
 
 from __future__ import annotations
@@ -57,14 +62,18 @@ class _Program:
 class FairShare:
     """Dispatches the programs of one island's devices in proportional share between tenants."""
 
-    def __init__(self, depth: int = 1):
+    def __init__(self, depth: int = 1, alone_depth: int | None = None):
+        """``depth``: programs in flight while several tenants have work; ``alone_depth``: while one has (None: any)."""
         self.depth = depth
+        self.alone_depth = alone_depth
         self._lock = threading.Lock()
         self._tenants: dict[str, _Tenant] = {}
         self._in_flight = 0
         self._last_end = 0.0
         self._device_end: dict[int, float] = {}
+        # Dispatched programs to follow, and lists of programs to start.
         self._running: queue.SimpleQueue = queue.SimpleQueue()
+        self._followed = 0  # programs handed to the thread that it has not finished yet
         self._thread = threading.Thread(target=self._follow_forever, name="pathways-share", daemon=True)
         self._thread.start()
 
@@ -110,8 +119,8 @@ class FairShare:
 
     def _saturated(self, entry: _Tenant) -> bool:
         others = any((e.pending or e.in_flight) for e in self._tenants.values() if e is not entry)
-        if not others:
-            return bool(entry.pending)  # alone: keep its own order, never wait for capacity
+        if not others:  # alone: keep its own order, and wait for capacity only beyond ``alone_depth``
+            return bool(entry.pending) or (self.alone_depth is not None and self._in_flight >= self.alone_depth)
         return bool(entry.pending) or self._in_flight >= self.depth
 
     def _start(self, entry: _Tenant) -> None:
@@ -121,7 +130,9 @@ class FairShare:
     def _next(self) -> tuple[str, _Program] | None:
         """The oldest program of the tenant with the least weighted device time, if any may start."""
         waiting = [(e.virtual_s, name) for name, e in self._tenants.items() if e.pending]
-        if not waiting or self._in_flight >= self.depth:
+        several = sum(1 for e in self._tenants.values() if e.pending or e.in_flight) > 1
+        limit = self.depth if several or self.alone_depth is None else self.alone_depth
+        if not waiting or self._in_flight >= limit:
             return None
         _, name = min(waiting)
         entry = self._tenants[name]
@@ -137,37 +148,65 @@ class FairShare:
         except Exception:
             outputs = []
             _LOGGER.debug("a program failed to dispatch", exc_info=True)
-        self._running.put((tenant, program, outputs, started))
+        with self._lock:
+            at_once = not self._followed and all(output.is_ready() for output in outputs[:1])
+            if not at_once:
+                self._followed += 1
+        if not at_once:
+            self._running.put((tenant, program, outputs, started))
+            return
+        ready = self._finish(tenant, program, outputs, started)
+        if ready:
+            # Started by the thread: this caller may hold its own session's lock, their dispatch takes theirs.
+            self._running.put(ready)
 
     def _follow_forever(self) -> None:
-        """Waits for each dispatched program's results in dispatch order, charges its tenant, starts the next."""
+        """Waits for each dispatched program's results in dispatch order, finishes it, starts what may start."""
         while True:
-            tenant, program, outputs, dispatched = self._running.get()
-            failed = False
-            for output in outputs[:1]:
-                try:
-                    output.block_until_ready()
-                except Exception:  # noqa: BLE001 - a failed program used the devices too
-                    failed = True
-            end = time.time()
-            with self._lock:
-                busy = max(0.0, end - max(dispatched, self._last_end))
-                self._last_end = end
-                start = max([dispatched, *(self._device_end.get(d, 0.0) for d in program.devices)])
-                for device in program.devices:
-                    self._device_end[device] = end
-                entry = self._tenants[tenant]
-                entry.busy_s += busy
-                entry.virtual_s += busy / entry.weight
-                entry.in_flight -= 1
-                self._in_flight -= 1
-                ready = []
-                while (chosen := self._next()) is not None:
-                    ready.append(chosen)
+            item = self._running.get()
+            if isinstance(item, list):  # programs whose turn came when another's results were ready at once
+                ready = item
+            else:
+                tenant, program, outputs, dispatched = item
+                for output in outputs[:1]:
+                    try:
+                        output.block_until_ready()
+                    except Exception:  # noqa: BLE001 - a failed program used the devices too (``_finish`` sees it)
+                        pass
+                ready = self._finish(tenant, program, outputs, dispatched, followed=True)
             for name, next_program in ready:
                 self._run(name, next_program)
-            if program.finished is not None and outputs:
-                try:
-                    program.finished(min(start, end), end, failed)
-                except Exception:
-                    _LOGGER.exception("reporting a finished program failed")
+
+    def _finish(
+        self, tenant: str, program: _Program, outputs: list, dispatched: float, followed: bool = False
+    ) -> list[tuple[str, _Program]]:
+        """Charges the tenant of a program whose results are ready and reports it; returns what may start now."""
+        failed = False
+        for output in outputs[:1]:
+            try:
+                output.block_until_ready()
+            except Exception:  # noqa: BLE001 - a failed program used the devices too
+                failed = True
+        end = time.time()
+        with self._lock:
+            if followed:
+                self._followed -= 1
+            busy = max(0.0, end - max(dispatched, self._last_end))
+            self._last_end = end
+            start = max([dispatched, *(self._device_end.get(d, 0.0) for d in program.devices)])
+            for device in program.devices:
+                self._device_end[device] = end
+            entry = self._tenants[tenant]
+            entry.busy_s += busy
+            entry.virtual_s += busy / entry.weight
+            entry.in_flight -= 1
+            self._in_flight -= 1
+            ready = []
+            while (chosen := self._next()) is not None:
+                ready.append(chosen)
+        if program.finished is not None and outputs:
+            try:
+                program.finished(min(start, end), end, failed)
+            except Exception:
+                _LOGGER.exception("reporting a finished program failed")
+        return ready

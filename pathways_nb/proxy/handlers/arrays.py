@@ -9,10 +9,10 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from pathways_nb.core import string_arrays
-from pathways_nb.core.dataflow import ArrayRecord, Pending, when_all
+from pathways_nb.core.dataflow import ArrayRecord, Pending, fulfil, when_all
 from pathways_nb.core.events import event
 from pathways_nb.protocol import dtypes, schema, shardings
-from pathways_nb.protocol.errors import InvalidRequest, RequestError, Unimplemented
+from pathways_nb.protocol.errors import InvalidRequest, RequestError, Unimplemented, as_request_error
 from pathways_nb.protocol.op_sharding import Tiling
 from pathways_nb.protocol.shardings import IfrtSharding
 from pathways_nb.proxy.dispatch import DEFERRED, handles
@@ -215,47 +215,46 @@ def _put_when_arrived(session, record: ArrayRecord, put, nbytes: int) -> None:
 
 @handles("copy_to_host_buffer_request")
 def copy_to_host_buffer(session, request, op_id):
-    """Reads an array into a host buffer the client then fetches with ``HostBufferLookup``."""
-    record = session.record(request.array_handle)
-    strides = _strides(request)
-    if record.kind == dtypes.STRING_KIND and strides is not None:
-        raise InvalidRequest("a string array has no byte strides; read it without them")
+    """Stages an array's bytes as a host buffer the client then fetches with ``HostBufferLookup``.
 
+    Replies at once: the lookup waits for the bytes (``HostBuffers.stage``), so the read runs
+    while the reply and the lookup travel. Failures known now are this reply's; later ones the lookup's.
+    """
+    record = session.record(request.array_handle)
+    if record.ready:
+        if record.error is not None:
+            raise record.error
+        record.live()  # a deleted array fails now
+    strides = _strides(request)
+    strings = record.kind == dtypes.STRING_KIND
+    if strings and strides is not None:
+        raise InvalidRequest("a string array has no byte strides; read it without them")
+    # The staged copy counts against the session's host buffers before it is made (a string
+    # array's size is known only once read; plugin programs return a few short strings).
+    nbytes = 0 if strings else _strided_extent(record.shape, dtypes.to_numpy(record.kind).itemsize, strides)
+    reserved = session.host_buffers.reserve(nbytes, f"reading array {request.array_handle}")
+    staged = session.host_buffers.stage(request.host_buffer_handle, reserved)
     started = time.time()
 
-    def read():
-        if record.kind == dtypes.STRING_KIND:
-            # As the client reads string arrays: one StringArrayContents message, a string per element.
-            contents = string_arrays.encode(record.read(session.runtime.to_host).reshape(-1))
-            return memoryview(contents), session.host_buffers.reserve(len(contents), "reading a string array")
-        # The staged copy counts against the session's host buffers before it is made.
-        nbytes = _strided_extent(record.shape, dtypes.to_numpy(record.kind).itemsize, strides)
-        reserved = session.host_buffers.reserve(nbytes, f"reading array {request.array_handle}")
-        try:
-            return _strided_bytes(record.read(session.runtime.to_host), strides), reserved
-        except BaseException:
-            session.host_buffers.release(reserved)
-            raise
+    def read() -> None:
+        reading = record.read_later(lambda value: session.runtime.to_host_later(value, session.context.wait_pool))
+        reading.on_done(arrived)
 
-    def stored(result, error):
-        if result is not None:
-            data, reserved = result
-            _record_transfer(
-                session, "download", f"array {request.array_handle}", record.sharding, started, data.nbytes
-            )
-            try:
-                session.host_buffers.store(request.host_buffer_handle, data, reserved)
-            except RequestError as failure:
-                error = failure
+    def arrived(host, error) -> None:
         if error is not None:
-            session.reply_error(op_id, error)
+            staged.fail(error)
+        elif strings:
+            # As the client reads string arrays: one StringArrayContents message, a string per element.
+            fulfil(staged, lambda: memoryview(string_arrays.encode(host.reshape(-1))))
         else:
-            session.reply(op_id, "copy_to_host_buffer_response", session.messages.proxy.CopyToHostBufferResponse())
+            fulfil(staged, lambda: _strided_bytes(host, strides))
+            _record_transfer(session, "download", f"array {request.array_handle}", record.sharding, started, nbytes)
 
-    session.after(
-        [record], lambda: session.in_background(read, stored), on_error=lambda e: session.reply_error(op_id, e)
-    )
-    return DEFERRED
+    try:
+        session.after([record], read, on_error=staged.fail)
+    except Exception as error:  # noqa: BLE001 - the lookup reports it
+        staged.fail(as_request_error(error))
+    return session.messages.proxy.CopyToHostBufferResponse()
 
 
 @handles("check_value_ready_request")
