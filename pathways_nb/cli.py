@@ -300,7 +300,10 @@ def build_parser() -> argparse.ArgumentParser:
         "devices: cpu, gpu (cuda and rocm mean gpu), tpu); unset: accept any workers",
     )
     rm.add_argument(
-        "--worker_timeout", type=float, default=3.0, help="seconds without heartbeat before a worker is dead"
+        "--worker_timeout",
+        type=float,
+        default=3.0,
+        help="seconds within which a worker that vanished (host gone, network cut, stopped) is found dead",
     )
     rm.add_argument("--port_file", default=None, help="write the bound port to this file once serving")
     security.add_arguments(rm, serve_tls=True, call_tls=False)

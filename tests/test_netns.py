@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -340,3 +341,35 @@ def test_no_component_listens_or_talks_on_loopback(cluster: Cluster):
     assert to_coordinator and {(c.local, c.remote) for c in to_coordinator} == {
         (network.address(1), network.address(0))
     }
+
+
+def _worker_state(cluster: Cluster, worker_id: str) -> pb.WorkerState | None:
+    return next((w for w in cluster.state().workers if w.worker_id == worker_id), None)
+
+
+def _wait_for_worker(cluster: Cluster, worker_id: str, condition, timeout_s: float) -> pb.WorkerState:
+    deadline = time.monotonic() + timeout_s
+    while not ((state := _worker_state(cluster, worker_id)) is not None and condition(state)):
+        assert time.monotonic() < deadline, f"{worker_id} after {timeout_s} s: {state}"
+        time.sleep(0.05)
+    return state
+
+
+def test_a_host_whose_network_is_cut_is_found_unhealthy_and_is_back_when_it_returns(cluster: Cluster):
+    """Host 1's link is cut (its veth on the bridge's side down): no connection is closed, packets just
+    stop, as when a machine vanishes. Only the resource manager's keepalive ping can tell. Run last: the
+    island's distributed runtime rides out a cut this short (its own time-out is 10 s)."""
+    worker_id = "island0-host1"
+    before = _wait_for_worker(cluster, worker_id, lambda w: w.healthy and w.attached, 30)
+    link = f"pw{cluster.network.tag}r1"
+    _ip("link", "set", link, "down")
+    try:
+        # The bound is the worker time-out (3 s); the deadline leaves room for a loaded machine.
+        found = _wait_for_worker(cluster, worker_id, lambda w: not w.healthy, 15)
+        assert "stream to the resource manager ended" in found.down_reason, found
+        assert _worker_state(cluster, "island0-host0").healthy
+    finally:
+        _ip("link", "set", link, "up")
+    # The worker notices its stream is gone (its own pings to the resource manager) and registers again.
+    back = _wait_for_worker(cluster, worker_id, lambda w: w.healthy and w.attached, 60)
+    assert (back.pid, back.incarnation) == (before.pid, before.incarnation)

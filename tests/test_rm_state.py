@@ -1,20 +1,29 @@
 """The resource manager's state machines on their own: the registry (workers, devices, health) and the
-allocator (grants, the queue), driven by plain calls; then what cluster watchers receive, over real gRPC.
+allocator (grants, the queue), driven by plain calls; then what cluster watchers receive, and workers'
+Attach streams (registration and liveness in one), over real gRPC.
 
 Sized for Pathways: a registry of 512 hosts and allocation decisions on 2048 devices are timed here.
 """
 
 from __future__ import annotations
 
+import contextlib
+import queue
+import signal
+import threading
 import time
+from collections.abc import Callable
 
+import grpc
 import pytest
 
+from pathways_nb.core.aio_server import BackgroundServer
 from pathways_nb.core.security import ClusterCredentials, generate_token
+from pathways_nb.launch.processes import ChildServer
 from pathways_nb.rm.allocator import Allocator, Unsatisfiable
 from pathways_nb.rm.registry import Registry
 from pathways_nb.rm.server import ResourceManagerServer
-from pathways_nb.rm.service import ResourceManagerService
+from pathways_nb.rm.service import SERVICE_NAME, ResourceManagerService
 from pathways_nb.rm.topology import Topology
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
@@ -134,6 +143,46 @@ def test_health_follows_heartbeats_and_exits_and_only_flips_are_changes():
     assert states["island1-host0"].down_reason == "killed by signal SIGKILL"
     assert [e.worker_id for e in registry.take_changes()] == ["island0-host0", "island1-host0"]
     assert registry.take_changes() == []
+
+
+def test_attached_workers_live_by_their_stream_and_only_the_unattached_are_swept():
+    registry = _registry(3, timeout_s=0.05)
+    attached, gone = registry.workers["island0-host0"], registry.workers["island1-host0"]
+    registry.attach(attached)
+    registry.attach(gone)
+    registry.take_changes()
+    time.sleep(0.06)
+    # Silent for longer than the time-out: only island 2, which heartbeats, is swept.
+    assert [e.worker_id for e in registry.sweep()] == ["island2-host0"]
+    assert attached.healthy and attached.state(time.monotonic()).heartbeat_age_s == 0.0
+
+    assert registry.detach(gone) and not registry.detach(gone)  # one stream, one end
+    assert gone.healthy  # until the moment for its launcher to say why has passed
+    assert registry.detached_for_good(gone)
+    assert not gone.healthy and "stream to the resource manager ended" in gone.down_reason
+    assert [d.healthy for d in registry.worker_states([gone])] == [False]
+
+    # A worker that registered again on a new stream meanwhile is not the one whose stream ended.
+    assert registry.detach(attached)
+    again = registry.register(_request(0))
+    registry.attach(again)
+    assert not registry.detached_for_good(attached) and again.healthy
+    # Nor is one whose launcher said why it ended: that cause stays.
+    assert registry.detach(again)
+    registry.exited(0, 0, pid=100, reason="its process killed by signal SIGKILL")
+    assert not registry.detached_for_good(again)
+    assert again.down_reason == "its process killed by signal SIGKILL"
+
+
+def test_load_reports_are_changes_for_watchers_but_not_of_devices():
+    registry = _registry(2)
+    entry = registry.workers["island1-host0"]
+    registry.attach(entry)
+    registry.take_changes()
+    entry.devices_changed = False
+    registry.report_load(entry, pb.WorkerLoad(sessions=2, arrays=5, array_bytes=80))
+    assert registry.take_changes() == [entry] and not entry.devices_changed
+    assert registry.worker_states([entry])[0].load == pb.WorkerLoad(sessions=2, arrays=5, array_bytes=80)
 
 
 def test_512_hosts_register_in_well_under_a_second():
@@ -265,6 +314,15 @@ def test_big_clusters_hand_out_longer_heartbeat_intervals():
     assert service.worker_heartbeat_interval_s() == 1.0
 
 
+def test_big_clusters_hand_out_longer_load_intervals():
+    service = ResourceManagerService(Topology(1024, "cpu", 1, 4))
+    for island in range(1024):
+        service.registry.register(_request(island, port=20000 + island))
+        if island == 63:
+            assert service.worker_update_interval_s() == 1.0
+    assert service.worker_update_interval_s() == 16.0  # 1024 workers, 64 reports/s at most
+
+
 # -- what watchers receive -----------------------------------------------------------------
 
 
@@ -304,4 +362,190 @@ def test_watchers_get_the_whole_state_then_only_what_changed_and_heartbeats_stre
             deltas.cancel()
             whole.cancel()
     finally:
+        server.stop()
+
+
+# -- workers' Attach streams ---------------------------------------------------------------
+
+
+class _Attached:
+    """A worker's Attach stream driven by hand, as ``pathways_nb.worker.server`` drives it."""
+
+    def __init__(self, stub: cluster_pb2_grpc.ResourceManagerStub, request: pb.RegisterWorkerRequest):
+        self._messages: queue.SimpleQueue = queue.SimpleQueue()
+        self._messages.put(pb.WorkerUpdate(registration=request))
+        self.call = stub.Attach(iter(self._messages.get, None), timeout=60)
+        self.first = next(self.call)
+
+    def report(self, load: pb.WorkerLoad) -> None:
+        self._messages.put(pb.WorkerUpdate(load=load))
+
+    def close(self) -> None:
+        """Ends the stream from the worker's side, as a worker that stops does."""
+        self._messages.put(None)
+
+
+def _worker(stub: cluster_pb2_grpc.ResourceManagerStub, worker_id: str) -> pb.WorkerState:
+    state = stub.GetClusterState(pb.ClusterStateRequest(), timeout=10)
+    return next(w for w in state.workers if w.worker_id == worker_id)
+
+
+def _wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        time.sleep(0.02)
+
+
+def _holds(condition: Callable[[], bool], for_s: float) -> bool:
+    """Whether ``condition`` stays true for ``for_s`` seconds (polled)."""
+    deadline = time.monotonic() + for_s
+    while time.monotonic() < deadline:
+        if not condition():
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@pytest.fixture
+def resource_manager():
+    """A resource manager with the default worker time-out (3 s: pings every 0.5 s, 2 s to answer, 0.5 s to settle)."""
+    credentials = ClusterCredentials(token=generate_token())
+    server = ResourceManagerServer(Topology(2, "cpu", 1, 2), credentials=credentials)
+    try:
+        with credentials.channel(server.address) as channel:
+            yield server, cluster_pb2_grpc.ResourceManagerStub(channel)
+    finally:
+        server.stop()
+
+
+def test_an_attached_worker_lives_by_its_open_stream_without_a_message(resource_manager):
+    _server, stub = resource_manager
+    deltas = stub.WatchCluster(pb.ClusterStateRequest(deltas=True), timeout=60)
+    assert not next(deltas).workers
+    worker = _Attached(stub, _request(1, devices=2))
+    assert worker.first.registration.worker_id == "island1-host0"
+    assert list(worker.first.registration.device_ids) == [2, 3]
+    assert worker.first.update_interval_s == 1.0
+    # Two time-outs without a message: still healthy (gRPC's keepalive vouches for it).
+    assert _holds(lambda: _worker(stub, "island1-host0").healthy, 2 * 3.0)
+    state = _worker(stub, "island1-host0")
+    assert state.attached and state.heartbeat_age_s == 0.0
+
+    worker.report(pb.WorkerLoad(sessions=2, arrays=3, array_bytes=96))
+    _wait_until(lambda: _worker(stub, "island1-host0").load.arrays == 3, 10, "the load report")
+    seen = []
+    while not any(w.load.arrays == 3 for w in seen):
+        update = next(deltas)
+        seen.extend(update.workers)
+        # Its devices went out when it registered; a load report does not send them again.
+        assert not update.devices or any(not w.load.arrays for w in update.workers)
+
+    worker.close()  # the worker stops: its stream ends
+    _wait_until(lambda: not _worker(stub, "island1-host0").healthy, 10, "unhealthy once its stream ended")
+    assert "stream to the resource manager ended" in _worker(stub, "island1-host0").down_reason
+    again = _Attached(stub, _request(1, devices=2))  # registering again on a new stream: healthy again
+    assert again.first.registration.incarnation == 1001
+    state = _worker(stub, "island1-host0")
+    assert state.healthy and state.attached and not state.load.arrays
+    again.close()
+    deltas.cancel()
+
+
+def test_a_launcher_report_just_after_the_stream_ended_gives_the_cause(resource_manager):
+    server, stub = resource_manager
+    worker = _Attached(stub, _request(0, devices=2))
+    worker.call.cancel()  # the process died: its connection closed at once
+    report = pb.WorkerExitReport(island=0, host_index=0, pid=100, reason="its process killed by signal SIGKILL")
+    assert stub.ReportWorkerExit(report, timeout=10).known
+    reason = lambda: _worker(stub, "island0-host0").down_reason  # noqa: E731
+    assert reason() == "its process killed by signal SIGKILL"
+    assert _holds(lambda: reason() == "its process killed by signal SIGKILL", 2 * server.service.liveness.settle_s)
+
+
+def test_attach_without_a_valid_registration_is_refused_and_the_server_serves_on(resource_manager):
+    _server, stub = resource_manager
+    cases = [
+        ([], "must register the worker"),
+        ([pb.WorkerUpdate(load=pb.WorkerLoad(sessions=1))], "must register the worker"),
+        ([pb.WorkerUpdate(registration=_request(0, devices=3))], "cannot register worker: the worker has 3 devices"),
+        ([pb.WorkerUpdate(registration=_request(5, devices=2))], "cannot register worker: island 5 does not exist"),
+    ]
+    for messages, message in cases:
+        with pytest.raises(grpc.RpcError) as error:
+            list(stub.Attach(iter(messages), timeout=10))
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in error.value.details()
+    worker = _Attached(stub, _request(0, devices=2))
+    assert _worker(stub, "island0-host0").attached
+    worker.close()
+
+
+def test_load_reports_never_wake_a_waiting_allocation(resource_manager):
+    _server, stub = resource_manager
+    worker = _Attached(stub, _request(0, devices=2))
+    holder = stub.Allocate(pb.AllocateRequest(tenant="a", exclusive=True, num_devices=2), timeout=60)
+    assert next(holder).HasField("granted")
+    waiting = stub.Allocate(pb.AllocateRequest(tenant="b", exclusive=True, num_devices=2), timeout=60)
+    updates: queue.SimpleQueue = queue.SimpleQueue()
+
+    def follow() -> None:
+        with contextlib.suppress(grpc.RpcError):  # cancelled at the end
+            for update in waiting:
+                updates.put(update)
+
+    follower = threading.Thread(target=follow, daemon=True)
+    follower.start()
+    assert updates.get(timeout=10).HasField("waiting")
+    for arrays in range(1, 21):
+        worker.report(pb.WorkerLoad(arrays=arrays))
+    _wait_until(lambda: _worker(stub, "island0-host0").load.arrays == 20, 10, "the load reports")
+    assert updates.empty()  # each wake-up would have sent the waiting request another update
+    holder.cancel()
+    while not (update := updates.get(timeout=10)).HasField("granted"):
+        assert update.HasField("waiting")
+    waiting.cancel()
+    follower.join(10)
+    worker.close()
+
+
+class _WithoutAttach(ResourceManagerService):
+    """The resource manager as it was before Attach: gRPC answers UNIMPLEMENTED for it, as it does for
+    any method a server does not have (the generated servicer's default)."""
+
+    Attach = cluster_pb2_grpc.ResourceManagerServicer.Attach
+
+
+def test_a_worker_registers_and_heartbeats_with_a_resource_manager_without_attach():
+    service = _WithoutAttach(Topology(1, "cpu", 1, 1))
+
+    async def start() -> None:
+        service.start()
+
+    server = BackgroundServer(
+        lambda grpc_server: cluster_pb2_grpc.add_ResourceManagerServicer_to_server(service, grpc_server),
+        [SERVICE_NAME],
+        on_start=start,
+        on_stop=service.stop,
+    )
+    worker = ChildServer(
+        "worker",
+        f"worker --resource_manager_address {server.address} --server_port 0 --devices 1 --platform cpu".split(),
+    )
+    try:
+        worker.start(120)
+        with grpc.insecure_channel(server.address) as channel:
+            stub = cluster_pb2_grpc.ResourceManagerStub(channel)
+            state = _worker(stub, "island0-host0")
+            assert state.healthy and not state.attached and state.pid == worker.process.pid
+            # Alive by its heartbeats, for two time-outs.
+            assert _holds(lambda: _worker(stub, "island0-host0").healthy, 2 * 3.0)
+            worker.process.send_signal(signal.SIGSTOP)  # silent: found dead by its missed heartbeats
+            _wait_until(lambda: not _worker(stub, "island0-host0").healthy, 30, "the silent worker found dead")
+            assert "missed its heartbeats" in _worker(stub, "island0-host0").down_reason
+            worker.process.send_signal(signal.SIGCONT)
+            _wait_until(lambda: _worker(stub, "island0-host0").healthy, 30, "the worker back")
+    finally:
+        if worker.process is not None:
+            worker.process.send_signal(signal.SIGCONT)
+        worker.close()
         server.stop()

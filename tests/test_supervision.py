@@ -178,6 +178,37 @@ def test_resource_manager_restart_keeps_running_sessions(supervised):
     assert out.split() == ["4"], err[-3000:]
 
 
+def _wait_worker(cluster: LocalCluster, worker_id: str, condition, timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = next((w for w in cluster.state().workers if w.worker_id == worker_id), None)
+        if state is not None and condition(state):
+            return state
+        assert time.monotonic() < deadline, f"{worker_id} after {timeout_s} s: {state}"
+        time.sleep(0.05)
+
+
+def test_a_worker_whose_host_vanishes_is_found_unhealthy_and_is_back_when_it_returns(supervised):
+    """SIGSTOP: the worker's process is there and its connections open, but nothing answers, as when its
+    host vanishes without closing them. No launcher sees it: the resource manager's keepalive ping does."""
+    _wait_healthy(supervised, 30)
+    worker = supervised.workers[(0, 0)].process
+    before = _wait_worker(supervised, "island0-host0", lambda w: w.attached, 10)
+    stopped = time.monotonic()
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        # The bound is the worker time-out (3 s); the deadline leaves room for a loaded machine, and
+        # fails where the keepalive does not work (gRPC's default ping time-out alone is a minute).
+        found = _wait_worker(supervised, "island0-host0", lambda w: not w.healthy, 15)
+        found_after_s = time.monotonic() - stopped
+        assert "stream to the resource manager ended" in found.down_reason, found
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+    back = _wait_worker(supervised, "island0-host0", lambda w: w.healthy and w.attached, 30)
+    # The same process (its arrays are still there), registered again on a new stream.
+    assert (back.pid, back.incarnation) == (before.pid, before.incarnation), found_after_s
+
+
 def _workers_of(pid: int) -> list[psutil.Process]:
     """The live worker processes among ``pid``'s children (a dead one may not be reaped yet)."""
     workers = []

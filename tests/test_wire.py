@@ -5,15 +5,11 @@ from __future__ import annotations
 import time
 
 import grpc
-import jax
 import numpy as np
 import pytest
-from jax._src.interpreters import mlir
-from jax._src.lib import xla_client as xc
-from jaxlib.mlir.dialects import stablehlo
 
-from pathways_nb.protocol import dtypes, shardings
-from pathways_nb.testing import WireSession
+from pathways_nb.protocol import dtypes
+from pathways_nb.testing import WireSession, lowered_program
 
 F32 = dtypes.from_numpy(np.dtype(np.float32))
 
@@ -29,44 +25,20 @@ def _status(response):
 
 
 def _array_request(session, handle: int, shape=(2, 3), device: int = 0, kind: int = F32):
-    request = session.messages.proxy.MakeArrayFromHostBufferRequest(host_buffer_handle=handle, array_handle=handle)
-    request.dtype.kind = kind
-    request.shape.dims.extend(shape)
-    request.sharding.CopyFrom(shardings.IfrtSharding((device,)).to_proto())
-    return request
+    return session.array_request(handle, shape, kind, device)
 
 
 def _put(session, handle: int, value: np.ndarray, device: int = 0) -> None:
-    session.store_host_buffer(handle, value.tobytes())
-    session.call("make_array_from_host_buffer_request", _array_request(session, handle, value.shape, device))
+    session.make_array(handle, value, device)
 
 
 def _read(session, array_handle: int, host_handle: int) -> bytes:
-    response = session.call(
-        "copy_to_host_buffer_request",
-        session.messages.proxy.CopyToHostBufferRequest(array_handle=array_handle, host_buffer_handle=host_handle),
-    )
-    assert _status(response) == (0, ""), _status(response)
-    return session.lookup_host_buffer(host_handle)
+    return session.read_array(array_handle, host_handle)
 
 
 def _compile(session, device_ids):
     """Compiles ``x * 2`` over float32[2, 3] for ``device_ids`` through the wire; returns the handle."""
-    lowered = jax.jit(lambda x: x * 2).lower(jax.ShapeDtypeStruct((2, 3), np.float32))
-    with mlir.make_ir_context():
-        module = lowered.compiler_ir("stablehlo")
-        artifact = stablehlo.serialize_portable_artifact(module, stablehlo.get_current_version())
-    options = xc.CompileOptions()
-    options.device_assignment = xc.DeviceAssignment.create(np.array([device_ids]))
-    messages = session.messages
-    xla_options = messages.ifrt.XlaCompileOptionsProto()
-    xla_options.compile_options.ParseFromString(options.SerializeAsString())
-    request = messages.proxy.CompileRequest()
-    request.program.type_name = "xla::ifrt::XlaProgram"
-    request.program.data = artifact
-    request.compile_options.type_name = "xla::ifrt::XlaCompileOptions"
-    request.compile_options.data = xla_options.SerializeToString()
-    response = session.call("compile_request", request)
+    response = session.compile(lowered_program(lambda x: x * 2, np.zeros((2, 3), np.float32), device_ids))
     assert _status(response)[0] == 0, _status(response)
     return response.compile_response.loaded_executable_handle
 

@@ -36,7 +36,8 @@ class BackgroundServer:
     generated ``add_XServicer_to_server`` functions expect); ``on_start`` and
     ``on_stop`` run on the loop too. ``credentials`` decide whether callers need
     the cluster token and whether the port speaks TLS (default: neither, and
-    then only a loopback ``host`` is allowed).
+    then only a loopback ``host`` is allowed). ``options`` are gRPC server
+    options beside ``SERVER_OPTIONS`` (e.g. keepalive).
     """
 
     def __init__(
@@ -48,6 +49,7 @@ class BackgroundServer:
         on_start: Callable[[], Awaitable[None]] | None = None,
         on_stop: Callable[[], Awaitable[None]] | None = None,
         credentials: ClusterCredentials | None = None,
+        options: Sequence[tuple[str, object]] = (),
     ):
         self.host = host
         self.credentials = credentials or ClusterCredentials()
@@ -59,14 +61,16 @@ class BackgroundServer:
         self._thread = threading.Thread(target=self.loop.run_forever, name="pathways-loop", daemon=True)
         self._thread.start()
         try:
-            self.port = self.call(self._start(register, service_names, host, port, on_start))
+            self.port = self.call(self._start(register, service_names, host, port, on_start, options))
         except BaseException:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join()
             raise
 
-    async def _start(self, register: Register, service_names, host: str, port: int, on_start) -> int:
-        self._server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=self.credentials.server_interceptors())
+    async def _start(self, register: Register, service_names, host: str, port: int, on_start, options) -> int:
+        self._server = grpc.aio.server(
+            options=[*SERVER_OPTIONS, *options], interceptors=self.credentials.server_interceptors()
+        )
         register(self._server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)

@@ -39,6 +39,7 @@ from pathways_nb.protocol.errors import (
 )
 from pathways_nb.protocol.layouts import LayoutBook
 from pathways_nb.proxy.cluster_session import ClusterSession
+from pathways_nb.proxy.lease import Leases
 from pathways_nb.proxy.worker_link import WorkerLink
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
@@ -87,6 +88,7 @@ class ClusterRuntime:
         self._sessions: weakref.WeakSet[ClusterSession] = weakref.WeakSet()
         self._workers: dict[str, pb.WorkerState] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._leases: Leases | None = None
         self._watching = threading.Event()
         self._closed = False
         self._watcher = threading.Thread(target=self._watch, name="pathways-cluster-watch", daemon=True)
@@ -168,22 +170,29 @@ class ClusterRuntime:
             islands=options.islands,
             timeout_s=options.timeout_s,
         )
-        lease = self.allocate(request)
         try:
-            for update in lease:
-                if update.HasField("granted"):
-                    session = ClusterSession(self, session_id, update.granted, lease, events, options)
-                    self._sessions.add(session)
-                    session.hold_lease(request)
-                    return session
-                _LOGGER.info("session %d: %s", session_id, update.waiting.reason)
-        except grpc.RpcError as error:
+            lease = self.leases.grant(
+                request, lambda waiting: _LOGGER.info("session %d: %s", session_id, waiting.reason)
+            ).result()
+        except grpc.aio.AioRpcError as error:
             raise _rm_error(error, self.rm_address) from None
-        raise Unavailable(f"the resource manager at {self.rm_address} ended the allocation before granting it")
+        except EOFError:
+            raise Unavailable(
+                f"the resource manager at {self.rm_address} ended the allocation before granting it"
+            ) from None
+        session = ClusterSession(self, session_id, lease, events, options)
+        self._sessions.add(session)
+        lease.hold(session_id)
+        return session
 
-    def allocate(self, request: pb.AllocateRequest, wait_for_ready: bool = False):
-        """The resource manager's ``Allocate`` stream (``wait_for_ready``: wait for it to be reachable)."""
-        return self._rm.Allocate(request, wait_for_ready=wait_for_ready)
+    @property
+    def leases(self) -> Leases:
+        """Allocations, held on the streams' loop."""
+        loop = self.loop
+        with self._lock:
+            if self._leases is None:
+                self._leases = Leases(self.rm_address, loop, self.credentials)
+            return self._leases
 
     # -- programs --------------------------------------------------------------------------
 

@@ -20,7 +20,6 @@ from collections.abc import Sequence
 from concurrent.futures import Executor, Future
 from typing import TYPE_CHECKING
 
-import grpc
 import numpy as np
 
 from pathways_nb.core import nonxla, string_arrays
@@ -55,6 +54,7 @@ from pathways_nb.rpc import cluster_pb2 as pb
 
 if TYPE_CHECKING:
     from pathways_nb.proxy.cluster_runtime import ClusterRuntime, RemoteProgram
+    from pathways_nb.proxy.lease import Lease
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -72,8 +72,7 @@ class ClusterSession:
         self,
         cluster: ClusterRuntime,
         session_id: int,
-        allocation: pb.Allocation,
-        lease,
+        lease: Lease,
         events: EventSink,
         options: SessionOptions,
     ):
@@ -81,9 +80,8 @@ class ClusterSession:
         self.options = options
         self.events = events
         self.session_id = session_id
-        self.allocation = allocation
+        self.allocation = allocation = lease.granted
         self._lease = lease
-        self._released = False
         # Each device's colocated CPU device (a cluster with colocated Python), as a device of its worker.
         colocated = {d.id: _colocated_device(d) for d in allocation.devices if d.HasField("colocated")}
         self._devices = {d.id: d for d in [*allocation.devices, *colocated.values()]}
@@ -235,7 +233,7 @@ class ClusterSession:
         with self._lock:
             link = self._links.get(worker.worker_id)
         if link is not None and link.alive and link.incarnation == worker.incarnation:
-            link.declare_lost(worker.down_reason or "it missed its heartbeats")
+            link.declare_lost(worker.down_reason or "the resource manager lost it")
 
     def _worker_ids(self, sharding: IfrtSharding) -> list[str]:
         return sorted({self._device(d).worker_id for d in sharding.device_ids})
@@ -612,45 +610,12 @@ class ClusterSession:
 
     # -- ending ----------------------------------------------------------------------------
 
-    def hold_lease(self, request: pb.AllocateRequest) -> None:
-        """Keeps the allocation for the session's life, claiming it again from a restarted resource manager."""
-        threading.Thread(
-            target=self._hold_lease, args=(request,), name=f"pathways-lease-{self.session_id}", daemon=True
-        ).start()
-
-    def _hold_lease(self, request: pb.AllocateRequest) -> None:
-        reclaim = pb.AllocateRequest()
-        reclaim.CopyFrom(request)
-        reclaim.reclaim_allocation_id = self.allocation.allocation_id
-        reclaim.reclaim_device_ids.extend(self._device_ids)
-        lease = self._lease
-        while True:
-            try:
-                for _update in lease:
-                    pass
-            except grpc.RpcError as error:
-                if not self._released:
-                    _LOGGER.warning(
-                        "session %d: lost the resource manager at %s (%s); its devices stay in use, and "
-                        "the allocation is claimed again when it is back",
-                        self.session_id,
-                        self.cluster.rm_address,
-                        error.code().name,
-                    )
-            with self._lock:
-                if self._released:
-                    return
-                # Blocks (without polling) until the resource manager answers again.
-                lease = self._lease = self.cluster.allocate(reclaim, wait_for_ready=True)
-
     def release(self) -> None:
         with self._lock:
-            self._released = True
             links, self._links = list(self._links.values()), {}
-            lease = self._lease
         for link in links:
             link.close()
-        lease.cancel()
+        self._lease.release()
 
 
 def _colocated_device(device: pb.Device) -> pb.Device:

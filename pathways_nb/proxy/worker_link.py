@@ -42,7 +42,7 @@ from pathways_nb.rpc import cluster_pb2_grpc
 _LOGGER = logging.getLogger(__name__)
 
 # How long a broken stream waits for the cluster to say why its worker went down (a launcher
-# reports a dead process within milliseconds; heartbeats take seconds and are not waited for).
+# reports a dead process within milliseconds; a vanished host takes seconds and is not waited for).
 _CAUSE_WAIT_S = 0.5
 # Array bytes per message on the stream.
 CHUNK_BYTES = 4 << 20

@@ -1,16 +1,20 @@
 """The workers of a cluster: who they are, which devices they own, whether they are alive.
 
-A worker registers and then heartbeats; one that misses heartbeats for
-``worker_timeout_s``, or whose launcher reports that its process ended, is
-marked unhealthy (with the reason), and healthy again when it registers anew.
-The incarnation is the worker process's own: a worker that registers again
-after a restart of the resource manager keeps it (its arrays are still
-there), a new process brings a new one.
+A worker registers and then attaches: it keeps a stream open to the resource
+manager, and is healthy while that stream is open (gRPC's keepalive, not a
+message, keeps vouching for it); a stream that ends marks it unhealthy, a new
+one healthy again. A worker that does not attach (an earlier version)
+heartbeats instead, and one silent for ``worker_timeout_s`` is unhealthy. A
+worker whose launcher reports that its process ended is unhealthy at once,
+with the cause. The incarnation is the worker process's own: a worker that
+registers again after a restart of the resource manager keeps it (its arrays
+are still there), a new process brings a new one.
 
 Built for clusters of thousands of devices: the device index (by id, by
-island) changes only when a worker registers, a heartbeat only stamps a time,
-and every change is noted (``take_changes``) so that the resource manager can
-tell watchers what changed instead of everything.
+island) changes only when a worker registers; attaching, a load report or a
+heartbeat costs O(1); only workers that are not attached are swept for
+silence; and every change is noted (``take_changes``) so that the resource
+manager can tell watchers what changed instead of everything.
 """
 
 from __future__ import annotations
@@ -34,6 +38,11 @@ class WorkerEntry:
     down_reason: str = ""
     # The worker's devices as the cluster reports them, built once at registration.
     devices: list[pb.Device] = field(default_factory=list)
+    # Whether its devices changed (it registered, its health flipped) since watchers were last told.
+    devices_changed: bool = True
+    # Its Attach stream (on which it registered) is open.
+    attached: bool = False
+    load: pb.WorkerLoad = field(default_factory=pb.WorkerLoad)
 
     @property
     def island(self) -> int:
@@ -46,6 +55,7 @@ class WorkerEntry:
     def set_health(self, healthy: bool, reason: str) -> None:
         self.healthy = healthy
         self.down_reason = reason
+        self.devices_changed = True
         for device in self.devices:
             device.healthy = healthy
 
@@ -56,13 +66,15 @@ class WorkerEntry:
             island=self.island,
             host_index=self.host_index,
             healthy=self.healthy,
-            heartbeat_age_s=now - self.last_heartbeat,
+            heartbeat_age_s=0.0 if self.attached else now - self.last_heartbeat,
             hostname=self.request.hostname,
             incarnation=self.incarnation,
             device_ids=self.device_ids,
             pid=self.request.pid,
             down_reason=self.down_reason,
             host_key=self.request.host_key,
+            attached=self.attached,
+            load=self.load,
         )
 
 
@@ -81,6 +93,7 @@ class Registry:
         self._ids: list[int] = []  # every device id, sorted
         self._island_ids: dict[int, list[int]] = {}  # island -> its device ids, sorted
         self._changed: set[str] = set()  # worker ids changed since the last take_changes
+        self._unattached: set[str] = set()  # worker ids whose liveness is their heartbeats
 
     def register(self, request: pb.RegisterWorkerRequest) -> WorkerEntry:
         """Adds (or replaces) a worker; ``ValueError`` says why one does not fit the cluster."""
@@ -142,6 +155,7 @@ class Registry:
         self.workers[worker_id] = entry
         self._index(entry)
         self._changed.add(worker_id)
+        self._unattached.add(worker_id)  # until it attaches, silence for worker_timeout_s is death
         return entry
 
     def _index(self, entry: WorkerEntry) -> None:
@@ -195,6 +209,32 @@ class Registry:
         self._changed.add(worker_id)
         return True, True
 
+    def attach(self, entry: WorkerEntry) -> None:
+        """The worker's Attach stream (on which it just registered) is open: it is alive while it lasts."""
+        entry.attached = True
+        self._unattached.discard(entry.worker_id)
+
+    def detach(self, entry: WorkerEntry) -> bool:
+        """Its stream ended; False if the worker registered again since (a new stream, or a new process)."""
+        if self.workers.get(entry.worker_id) is not entry or not entry.attached:
+            return False
+        entry.attached = False
+        self._changed.add(entry.worker_id)
+        return True
+
+    def detached_for_good(self, entry: WorkerEntry) -> bool:
+        """After ``detach`` and a moment's wait: marks the worker unhealthy unless it registered again
+        or its launcher already said why it ended; True if it did now."""
+        if self.workers.get(entry.worker_id) is not entry or entry.attached or not entry.healthy:
+            return False
+        entry.set_health(False, "its stream to the resource manager ended (its process, host or network is gone)")
+        self._changed.add(entry.worker_id)
+        return True
+
+    def report_load(self, entry: WorkerEntry, load: pb.WorkerLoad) -> None:
+        entry.load = load
+        self._changed.add(entry.worker_id)
+
     def exited(self, island: int, host_index: int, pid: int, reason: str) -> WorkerEntry | None:
         """Marks the worker whose process ``pid`` ended down; None if that process is not the registered one."""
         entry = self.workers.get(f"island{island}-host{host_index}")
@@ -205,9 +245,10 @@ class Registry:
         return entry
 
     def sweep(self) -> list[WorkerEntry]:
-        """Marks workers silent for too long unhealthy; returns those that just changed."""
+        """Marks workers that are not attached and silent for too long unhealthy; returns those that just changed."""
         deadline = time.monotonic() - self.worker_timeout_s
-        changed = [e for e in self.workers.values() if e.healthy and e.last_heartbeat < deadline]
+        silent = (self.workers[w] for w in self._unattached)
+        changed = [e for e in silent if e.healthy and e.last_heartbeat < deadline]
         for entry in changed:
             entry.set_health(False, f"it missed its heartbeats for {self.worker_timeout_s:g} s")
             self._changed.add(entry.worker_id)

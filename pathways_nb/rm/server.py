@@ -34,6 +34,8 @@ class ResourceManagerServer:
             on_start=start,
             on_stop=self.service.stop,
             credentials=credentials,
+            # Pings every caller's connection: a worker whose host vanished ends its Attach stream.
+            options=self.service.liveness.server_options(),
         )
         self.host, self.port = host, self._server.port
 

@@ -1,10 +1,16 @@
-"""The resource manager's gRPC service: registration, heartbeats, allocations, cluster state.
+"""The resource manager's gRPC service: registration, liveness, allocations, cluster state.
 
 Everything runs on one asyncio loop, so the registry and the allocator need no
-locks; every change wakes the queued allocations at once. Cluster watchers are
-fed by one publisher, at most once per ``publish_interval_s``: each update is
-built once and shared by every watcher, and a watcher that asked for deltas
-gets only the workers that changed (a whole state if it fell behind).
+locks; every change of what can be allocated wakes the queued allocations at
+once. A worker's liveness costs this loop nothing while it lasts: the worker's
+Attach stream stays open, gRPC's core pings its connection (``core.keepalive``),
+and the loop hears only of a stream that ends and of load reports, which are
+rare by design (only changes, at most one per interval per worker, the interval
+growing with the cluster) and cost O(1) each; they never wake an allocation.
+Cluster watchers are fed by one publisher, at most once per
+``publish_interval_s``: each update is built once and shared by every watcher,
+and a watcher that asked for deltas gets only the workers that changed (a
+whole state if it fell behind).
 """
 
 from __future__ import annotations
@@ -18,8 +24,9 @@ import grpc
 
 from pathways_nb.core import host_profiler
 from pathways_nb.protocol.errors import RequestError, as_request_error
+from pathways_nb.core.keepalive import Liveness
 from pathways_nb.rm.allocator import Allocator, Unsatisfiable
-from pathways_nb.rm.registry import Registry
+from pathways_nb.rm.registry import Registry, WorkerEntry
 from pathways_nb.rm.topology import Topology
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
@@ -27,6 +34,9 @@ from pathways_nb.rpc import cluster_pb2_grpc
 _LOGGER = logging.getLogger(__name__)
 
 SERVICE_NAME = "pathways_nb.v1.ResourceManager"
+
+# The shortest interval between two load reports of a worker; longer in big clusters.
+MIN_UPDATE_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -45,11 +55,14 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
         heartbeat_interval_s: float = 0.5,
         publish_interval_s: float = 0.1,
         max_heartbeats_per_s: float = 256.0,
+        max_load_reports_per_s: float = 64.0,
     ):
         self.topology = topology
         self.heartbeat_interval_s = heartbeat_interval_s
         self.max_heartbeats_per_s = max_heartbeats_per_s
+        self.max_load_reports_per_s = max_load_reports_per_s
         self.publish_interval_s = publish_interval_s
+        self.liveness = Liveness.within(worker_timeout_s)
         self.registry = Registry(topology, worker_timeout_s)
         self.allocator = Allocator()
         self._change = asyncio.Event()
@@ -97,7 +110,10 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
         delta = self._summary()
         delta.delta = True
         delta.workers.extend(self.registry.worker_states(changed))
-        delta.devices.extend(device for entry in changed for device in entry.devices)
+        for entry in changed:  # not for a worker whose load alone changed
+            if entry.devices_changed:
+                delta.devices.extend(entry.devices)
+                entry.devices_changed = False
         self._publication = _Publication(self._publication.version + 1, delta)
         self._published.set()
         self._published = asyncio.Event()
@@ -116,10 +132,16 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
                 self._changed()
 
     def worker_heartbeat_interval_s(self) -> float:
-        """The interval handed to workers: the configured one, longer in big clusters (at most a third
-        of the timeout, so that a worker misses three before it is declared dead)."""
+        """The interval handed to workers that heartbeat: the configured one, longer in big clusters (at
+        most a third of the timeout, so that a worker misses three before it is declared dead)."""
         spread = len(self.registry.workers) / self.max_heartbeats_per_s
         return max(self.heartbeat_interval_s, min(spread, self.registry.worker_timeout_s / 3))
+
+    def worker_update_interval_s(self) -> float:
+        """How often an attached worker may report its load: once a second, less in big clusters, so that
+        all of them together send at most ``max_load_reports_per_s`` (each costs this loop ~0.2-0.4 ms;
+        liveness does not depend on them)."""
+        return max(MIN_UPDATE_INTERVAL_S, len(self.registry.workers) / self.max_load_reports_per_s)
 
     def _grant(self) -> None:
         if self.allocator.queue and self.allocator.grant(self.registry):
@@ -127,7 +149,9 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
 
     # -- workers ---------------------------------------------------------------------------
 
-    async def RegisterWorker(self, request, context):
+    async def _register(
+        self, request: pb.RegisterWorkerRequest, context
+    ) -> tuple[WorkerEntry, pb.RegisterWorkerResponse]:
         try:
             entry = self.registry.register(request)
         except ValueError as e:
@@ -141,13 +165,54 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
         )
         self._grant()
         self._changed()
-        return pb.RegisterWorkerResponse(
+        return entry, pb.RegisterWorkerResponse(
             worker_id=entry.worker_id,
             incarnation=entry.incarnation,
             device_ids=entry.device_ids,
             heartbeat_interval_s=self.worker_heartbeat_interval_s(),
             colocated_device_ids=[d.colocated.id for d in entry.devices if d.HasField("colocated")],
         )
+
+    async def RegisterWorker(self, request, context):
+        _entry, response = await self._register(request, context)
+        return response
+
+    async def Attach(self, request_iterator, context):
+        first = await anext(request_iterator, None)
+        if first is None or not first.HasField("registration"):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "the first message of Attach must register the worker"
+            )
+        entry, registered = await self._register(first.registration, context)
+        self.registry.attach(entry)
+        try:
+            if first.HasField("load"):
+                self.registry.report_load(entry, first.load)
+            interval_s = self.worker_update_interval_s()
+            yield pb.AttachReply(registration=registered, update_interval_s=interval_s)
+            async for update in request_iterator:
+                self.registry.report_load(entry, update.load)
+                self._dirty.set()
+                if self.worker_update_interval_s() >= 2 * interval_s:  # the cluster grew: report less often
+                    interval_s = self.worker_update_interval_s()
+                    yield pb.AttachReply(update_interval_s=interval_s)
+        finally:
+            # However it ended: the worker closed it, its connection broke or missed a ping, this server stops.
+            if self.registry.detach(entry):
+                self._dirty.set()
+                asyncio.get_running_loop().call_later(self.liveness.settle_s, self._detached_for_good, entry)
+
+    def _detached_for_good(self, entry: WorkerEntry) -> None:
+        """A worker's stream ended a moment ago: unless its launcher said why, or it attached again, it is down."""
+        if self.registry.detached_for_good(entry):
+            _LOGGER.warning(
+                "worker %s (%s): %s; island %d is unhealthy",
+                entry.worker_id,
+                entry.request.address,
+                entry.down_reason,
+                entry.island,
+            )
+            self._changed()
 
     def _heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
         known, revived = self.registry.heartbeat(request.worker_id, request.incarnation)

@@ -36,6 +36,11 @@ class ResourceManagerStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Attach = channel.stream_stream(
+                '/pathways_nb.v1.ResourceManager/Attach',
+                request_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.WorkerUpdate.SerializeToString,
+                response_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.AttachReply.FromString,
+                _registered_method=True)
         self.RegisterWorker = channel.unary_unary(
                 '/pathways_nb.v1.ResourceManager/RegisterWorker',
                 request_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.RegisterWorkerRequest.SerializeToString,
@@ -83,22 +88,41 @@ class ResourceManagerServicer:
 
     """
 
+    def Attach(self, request_iterator, context):
+        """A worker's registration and liveness in one: the first message registers the worker (as
+        RegisterWorker does) and the worker keeps the stream open for as long as it lives; it is
+        healthy while the stream is open. No message is needed for that: the resource manager's gRPC
+        pings the connection (HTTP/2 keepalive, answered by the worker's gRPC core, never by Python)
+        and closes it when a ping goes unanswered; a stream that ends, for whatever reason, marks the
+        worker unhealthy (after a moment in which its launcher may say why its process ended, or the
+        worker may attach again). Later messages carry the worker's load, only when it changed and at
+        most one per AttachReply.update_interval_s. The first reply is the registration; later replies
+        come only to change the interval. A worker whose stream broke attaches again (registering
+        again, with the same incarnation). A resource manager without this call answers
+        UNIMPLEMENTED: register and heartbeat instead. See docs/cluster.md, "Health", for the times.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RegisterWorker(self, request, context):
-        """A worker announces itself (again after a restart); the reply names its devices.
+        """A worker announces itself (again after a restart); the reply names its devices. For workers
+        that heartbeat (earlier versions, or with a resource manager without Attach).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Heartbeat(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Liveness by messages, for workers that do not attach: a worker silent for the worker time-out
+        (3 s) is unhealthy. Served for compatibility; workers attach.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Heartbeats(self, request_iterator, context):
-        """The same, as messages on one stream that a worker keeps open: a message costs the resource
-        manager less than a call, which counts with thousands of workers. One reply per request.
+        """The same, as messages on one stream that a worker keeps open. One reply per request.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -145,6 +169,11 @@ class ResourceManagerServicer:
 
 def add_ResourceManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Attach': grpc.stream_stream_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.WorkerUpdate.FromString,
+                    response_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.AttachReply.SerializeToString,
+            ),
             'RegisterWorker': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterWorker,
                     request_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.RegisterWorkerRequest.FromString,
@@ -197,6 +226,33 @@ class ResourceManager:
     """------------------------------------------------------ resource manager --
 
     """
+
+    @staticmethod
+    def Attach(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pathways_nb.v1.ResourceManager/Attach',
+            pathways__nb_dot_rpc_dot_cluster__pb2.WorkerUpdate.SerializeToString,
+            pathways__nb_dot_rpc_dot_cluster__pb2.AttachReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def RegisterWorker(request,

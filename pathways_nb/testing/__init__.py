@@ -3,7 +3,9 @@
 ``proxy_process()`` starts ``pathways-nb proxy`` on a free port and stops it
 (and checks it is gone) afterwards. ``WireSession`` speaks the IFRT proxy
 protocol directly, request by request, for tests that must send what the
-stock client never would (unknown handles, malformed bytes, half uploads).
+stock client never would (unknown handles, malformed bytes, half uploads),
+and for many sessions from one process (``benchmarks/sessions.py``), which
+the stock client, one session per process, cannot open.
 """
 
 from __future__ import annotations
@@ -127,6 +129,61 @@ class WireSession:
         )
         delete(self.messages.proxy.GrpcHostBufferDeleteRequest(session_id=self.session_id, handle=handle))
 
+    # -- arrays and programs, as the stock client asks for them ----------------------------
+
+    def make_array(self, handle: int, value, device: int) -> None:
+        """Uploads ``value`` (a numpy array) and makes it array ``handle`` on ``device`` (the host buffer
+        gets the same handle)."""
+        from pathways_nb.protocol import dtypes
+
+        self.store_host_buffer(handle, value.tobytes())
+        request = self.array_request(handle, value.shape, dtypes.from_numpy(value.dtype), device)
+        self.call("make_array_from_host_buffer_request", request)
+
+    def array_request(self, handle: int, shape, kind: int, device: int):
+        """A MakeArrayFromHostBufferRequest of host buffer ``handle`` into array ``handle`` (``kind``: the
+        IFRT dtype kind)."""
+        from pathways_nb.protocol import shardings
+
+        request = self.messages.proxy.MakeArrayFromHostBufferRequest(host_buffer_handle=handle, array_handle=handle)
+        request.dtype.kind = kind
+        request.shape.dims.extend(shape)
+        request.sharding.CopyFrom(shardings.IfrtSharding((device,)).to_proto())
+        return request
+
+    def read_array(self, array_handle: int, host_handle: int) -> bytes:
+        """The bytes of an array, through host buffer ``host_handle`` (deleted afterwards)."""
+        response = self.call(
+            "copy_to_host_buffer_request",
+            self.messages.proxy.CopyToHostBufferRequest(array_handle=array_handle, host_buffer_handle=host_handle),
+        )
+        status = response.response_metadata.status
+        if status.code:
+            raise AssertionError(f"reading array {array_handle} failed: {status.message}")
+        data = self.lookup_host_buffer(host_handle)
+        self.delete_host_buffer(host_handle)
+        return data
+
+    def compile(self, program: tuple[bytes, bytes]):
+        """The CompileResponse for ``program`` (from ``lowered_program``)."""
+        artifact, options = program
+        request = self.messages.proxy.CompileRequest()
+        request.program.type_name = "xla::ifrt::XlaProgram"
+        request.program.data = artifact
+        request.compile_options.type_name = "xla::ifrt::XlaCompileOptions"
+        request.compile_options.data = options
+        return self.call("compile_request", request)
+
+    def execute(self, executable: int, args: list[int], results: list[int]):
+        request = self.messages.proxy.LoadedExecutableExecuteRequest(
+            loaded_executable_handle=executable, args_handles=args, result_array_handle=results
+        )
+        return self.call("loaded_executable_execute_request", request)
+
+    def destruct(self, handles: list[int]) -> None:
+        """Forgets arrays, as the client does when it drops them."""
+        self.call("destruct_array_request", self.messages.proxy.DestructArrayRequest(array_handle=handles))
+
     def close(self) -> None:
         self._requests.put(None)
         self.channel.close()
@@ -182,6 +239,26 @@ def other_users_python() -> str | None:
     """
     candidate = f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"
     return candidate if os.geteuid() == 0 and os.access(candidate, os.X_OK) else None
+
+
+def lowered_program(function, example, device_ids: list[int]) -> tuple[bytes, bytes]:
+    """``function`` lowered for arguments like ``example`` on ``device_ids``, as the stock client sends it
+    in a CompileRequest: (the portable StableHLO artifact, the serialized XlaCompileOptions)."""
+    import jax
+    import numpy as np
+    from jax._src.interpreters import mlir
+    from jax._src.lib import xla_client
+    from jaxlib.mlir.dialects import stablehlo
+
+    lowered = jax.jit(function).lower(jax.ShapeDtypeStruct(example.shape, example.dtype))
+    with mlir.make_ir_context():
+        module = lowered.compiler_ir("stablehlo")
+        artifact = stablehlo.serialize_portable_artifact(module, stablehlo.get_current_version())
+    options = xla_client.CompileOptions()
+    options.device_assignment = xla_client.DeviceAssignment.create(np.array([device_ids]))
+    xla_options = schema.load().ifrt.XlaCompileOptionsProto()
+    xla_options.compile_options.ParseFromString(options.SerializeAsString())
+    return artifact, xla_options.SerializeToString()
 
 
 def python_process(code: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:

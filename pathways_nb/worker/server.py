@@ -1,8 +1,12 @@
 """A worker process: serves its devices and keeps itself registered with the resource manager.
 
-It registers at start (retrying until the resource manager answers), then
-heartbeats; when the resource manager does not know it (it restarted, or
-declared this worker dead), it registers again.
+It registers at start (retrying until the resource manager answers) on a
+stream it keeps open to the resource manager: that stream is its liveness
+(gRPC's keepalive pings, answered by gRPC's core, keep vouching for it; no
+message is needed) and carries its load when it changes. When the stream ends
+(the resource manager restarted, or lost this host a while), it registers again
+on a new one, keeping its incarnation. A resource manager without that stream
+(an earlier version) gets RegisterWorker and a heartbeat call per interval.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import time
 
 import grpc
 
+from pathways_nb.core import keepalive
 from pathways_nb.core.aio_server import BackgroundServer
 from pathways_nb.core.nonxla import HostContext
 from pathways_nb.core.security import ClusterCredentials
@@ -24,12 +29,14 @@ from pathways_nb.core.storage import StorageRoot, default_root
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
 from pathways_nb.worker.colocated import ColocatedPython
+from pathways_nb.worker.load import LoadGauge
 from pathways_nb.worker.runtime import LocalRuntime
 from pathways_nb.worker.service import SERVICE_NAME, WorkerService, local_devices
 
 _LOGGER = logging.getLogger(__name__)
 
-_STREAM_RENEWAL_S = 10.0
+# Between two attempts to attach while the resource manager cannot be reached.
+_RETRY_S = 0.5
 
 
 class WorkerServer:
@@ -72,13 +79,22 @@ class WorkerServer:
         )
         self.port = self._server.port
         self.advertised = f"{advertise_address or host}:{self.port}"
-        self._rm = cluster_pb2_grpc.ResourceManagerStub(credentials.channel(resource_manager_address))
+        self._rm = cluster_pb2_grpc.ResourceManagerStub(
+            credentials.channel(resource_manager_address, options=keepalive.client_options())
+        )
         self._stopped = threading.Event()
+        self._load = LoadGauge(runtime, lambda: len(self.service.sessions))
+        self._attaching = True  # False while the resource manager has no Attach (heartbeats instead)
+        self._update_interval_s = 1.0
+        self._attachment: tuple[grpc.Call, threading.Event] | None = None  # the open stream, and what ends it
         self.registration = self._register(register_timeout_s)
-        self._heartbeats = threading.Thread(target=self._heartbeat_forever, name="pathways-heartbeat", daemon=True)
-        self._heartbeats.start()
+        self._interval_s = self.registration.heartbeat_interval_s
+        self._liveness = threading.Thread(target=self._stay_alive, name="pathways-liveness", daemon=True)
+        self._liveness.start()
 
     def _register(self, timeout_s: float) -> pb.RegisterWorkerResponse:
+        """Registers this worker on a new Attach stream (kept open: it is this worker's liveness), or,
+        with a resource manager without Attach, with RegisterWorker (then it heartbeats)."""
         request = pb.RegisterWorkerRequest(
             address=self.advertised,
             island=self.island,
@@ -93,48 +109,82 @@ class WorkerServer:
             host_key=self.service.outbox.host_key,
         )
         deadline = time.monotonic() + timeout_s
-        while True:
+        while not self._stopped.is_set():
             try:
-                response = self._rm.RegisterWorker(request, timeout=5)
+                response = self._attach(request) if self._attaching else self._rm.RegisterWorker(request, timeout=5)
                 _LOGGER.info("registered as %s with devices %s", response.worker_id, list(response.device_ids))
                 if self.service.colocated is not None:
                     self.service.colocated.registered(response.colocated_device_ids)
                 return response
             except grpc.RpcError as error:
+                if error.code() == grpc.StatusCode.UNIMPLEMENTED and self._attaching:
+                    _LOGGER.info("the resource manager has no Attach (an earlier version): heartbeating instead")
+                    self._attaching = False
+                    continue
                 if error.code() == grpc.StatusCode.INVALID_ARGUMENT or time.monotonic() > deadline:
                     self._server.stop(0)
                     raise RuntimeError(f"the resource manager refused this worker: {error.details()}") from None
-                time.sleep(0.2)
+                self._stopped.wait(_RETRY_S)
+        raise RuntimeError("the worker stopped before it was registered")
 
-    def _heartbeat_forever(self) -> None:
-        """Heartbeats as messages on one stream (cheaper for the resource manager than a call each);
-        one without that stream (an older version) gets a call per heartbeat."""
-        self._interval_s = self.registration.heartbeat_interval_s
-        streaming = True
+    def _attach(self, request: pb.RegisterWorkerRequest) -> pb.RegisterWorkerResponse:
+        """Opens an Attach stream that registers this worker, and keeps it for ``_follow``."""
+        over = threading.Event()
+        call = self._rm.Attach(self._updates(pb.WorkerUpdate(registration=request, load=self._load.measure()), over))
+        try:
+            first = next(call, None)
+        except BaseException:
+            over.set()
+            raise
+        if first is None:
+            over.set()
+            raise RuntimeError("the resource manager ended the Attach stream without registering this worker")
+        self._update_interval_s = first.update_interval_s or self._update_interval_s
+        self._attachment = (call, over)
+        return first.registration
+
+    def _follow(self) -> None:
+        """Reads the Attach stream's replies until it ends (this worker stops, or the stream broke)."""
+        call, over = self._attachment
+        try:
+            for reply in call:
+                self._update_interval_s = reply.update_interval_s or self._update_interval_s  # the cluster grew
+            ended = "the resource manager ended it"
+        except grpc.RpcError as error:
+            ended = f"{error.code().name}: {error.details()}"
+        finally:
+            over.set()
+        if not self._stopped.is_set():
+            _LOGGER.warning("the stream to the resource manager ended (%s); registering on a new one", ended)
+
+    def _updates(self, first: pb.WorkerUpdate, over: threading.Event):
+        """The stream's messages: the registration, then the load when it changed, at most once per interval."""
+        yield first
+        last = first.load
+        while not over.wait(self._load.wait_s(self._update_interval_s)):
+            load = self._load.measure()
+            if load != last:
+                last = load
+                yield pb.WorkerUpdate(load=load)
+
+    def _stay_alive(self) -> None:
+        """Keeps this worker attached (or heartbeating, to a resource manager without Attach) until ``stop``."""
         while not self._stopped.is_set():
             try:
-                if streaming:
-                    # Renewed every few seconds: a stream to a resource manager that vanished without a
-                    # word (its host gone) ends soon, as a call's timeout would end it.
-                    replies = self._rm.Heartbeats(self._beats(), timeout=_STREAM_RENEWAL_S)
-                    for reply in replies:
-                        if not self._answered(reply):
-                            replies.cancel()  # beats already sent named the old registration
-                            break
-                    else:
-                        self._stopped.wait(self._interval_s)  # the resource manager ended it: open another
+                if self._attaching:
+                    self._follow()
+                    if not self._stopped.is_set():
+                        self.registration = self._register(timeout_s=float("inf"))
                 elif not self._stopped.wait(self._jittered()):
                     self._answered(self._rm.Heartbeat(self._beat(), timeout=5))
             except grpc.RpcError as error:
-                if error.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    continue  # ended here, or renewed
-                if error.code() == grpc.StatusCode.UNIMPLEMENTED:
-                    streaming = False
-                    continue
+                if self._stopped.is_set():
+                    return
                 _LOGGER.warning("heartbeat failed (%s); retrying", error.code().name)
                 self._stopped.wait(self._interval_s)
             except RuntimeError:
-                _LOGGER.exception("re-registration failed")
+                if not self._stopped.is_set():
+                    _LOGGER.exception("re-registration failed")
 
     def _jittered(self) -> float:
         # Jittered, so that workers started together do not heartbeat in lockstep bursts.
@@ -143,20 +193,16 @@ class WorkerServer:
     def _beat(self) -> pb.HeartbeatRequest:
         return pb.HeartbeatRequest(worker_id=self.registration.worker_id, incarnation=self.registration.incarnation)
 
-    def _beats(self):
-        while not self._stopped.wait(self._jittered()):
-            yield self._beat()
-
-    def _answered(self, reply: pb.HeartbeatResponse) -> bool:
-        """Follows the interval the resource manager asks for; False if this worker had to register again."""
+    def _answered(self, reply: pb.HeartbeatResponse) -> None:
+        """Follows the interval the resource manager asks for; registers again (and tries to attach) if it must."""
         # A growing cluster spreads heartbeats out: the resource manager says how far.
         self._interval_s = reply.heartbeat_interval_s or self.registration.heartbeat_interval_s
         if reply.known:
-            return True
+            return
         _LOGGER.warning("the resource manager does not know this worker: registering again")
+        self._attaching = True  # it may be a newer one, that has Attach
         self.registration = self._register(timeout_s=float("inf"))
         self._interval_s = self.registration.heartbeat_interval_s
-        return False
 
     @property
     def address(self) -> str:
@@ -164,6 +210,8 @@ class WorkerServer:
 
     def stop(self, grace_s: float | None = 1.0) -> None:
         self._stopped.set()
+        if self._attachment is not None:
+            self._attachment[1].set()  # ends the Attach stream: the resource manager finds this worker gone
         self._server.stop(grace_s)
         self.service.close()
 

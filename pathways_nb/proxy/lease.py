@@ -1,0 +1,104 @@
+"""A session's allocation, held open on the proxy's event loop for as long as the session lasts.
+
+An allocation lasts as long as its ``Allocate`` call. Each session holds one as
+a coroutine on the loop that serves the streams to workers: an idle session
+costs no thread and no wake-up (a blocking gRPC stream read in a thread wakes
+ten times a second, which 200 idle sessions would pay 2,000 times a second).
+When the call breaks because the resource manager restarted, the allocation
+is claimed again, under the same id and devices, once it is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import Future
+
+import grpc
+
+from pathways_nb.core.security import ClusterCredentials
+from pathways_nb.rpc import cluster_pb2 as pb
+from pathways_nb.rpc import cluster_pb2_grpc
+
+_LOGGER = logging.getLogger(__name__)
+
+
+class Leases:
+    """Allocations from the resource manager at ``rm_address``, held on ``loop``."""
+
+    def __init__(self, rm_address: str, loop: asyncio.AbstractEventLoop, credentials: ClusterCredentials):
+        self.rm_address = rm_address
+        self.loop = loop
+        self._credentials = credentials
+        self._metadata = credentials.call_metadata()
+        self._stub: cluster_pb2_grpc.ResourceManagerStub | None = None  # made on the loop
+
+    def allocate(self, request: pb.AllocateRequest, wait_for_ready: bool = False):
+        """An ``Allocate`` call (on the loop)."""
+        if self._stub is None:
+            self._stub = cluster_pb2_grpc.ResourceManagerStub(self._credentials.aio_channel(self.rm_address))
+        return self._stub.Allocate(request, metadata=self._metadata, wait_for_ready=wait_for_ready)
+
+    def grant(self, request: pb.AllocateRequest, on_waiting) -> Future:
+        """A future of the granted ``Lease`` (``on_waiting(Waiting)`` while queued); it fails with the
+        call's ``grpc.aio.AioRpcError``, or ``EOFError`` if the call ended before a grant."""
+        return asyncio.run_coroutine_threadsafe(self._grant(request, on_waiting), self.loop)
+
+    async def _grant(self, request: pb.AllocateRequest, on_waiting) -> Lease:
+        call = self.allocate(request)
+        try:
+            async for update in call:
+                if update.HasField("granted"):
+                    return Lease(self, call, request, update.granted)
+                on_waiting(update.waiting)
+        except BaseException:
+            call.cancel()
+            raise
+        raise EOFError("the resource manager ended the allocation before granting it")
+
+
+class Lease:
+    """One granted allocation; ``hold`` keeps it until ``release``."""
+
+    def __init__(self, leases: Leases, call, request: pb.AllocateRequest, granted: pb.Allocation):
+        self._leases = leases
+        self._call = call
+        self._request = request
+        self.granted = granted
+        self._released = False
+
+    def hold(self, session_id: int) -> None:
+        """Keeps the allocation for the session's life, claiming it again from a restarted resource manager."""
+        asyncio.run_coroutine_threadsafe(self._hold(session_id), self._leases.loop)
+
+    async def _hold(self, session_id: int) -> None:
+        reclaim = pb.AllocateRequest()
+        reclaim.CopyFrom(self._request)
+        reclaim.reclaim_allocation_id = self.granted.allocation_id
+        reclaim.reclaim_device_ids.extend(d.id for d in self.granted.devices)
+        while not self._released:
+            try:
+                async for _update in self._call:
+                    pass
+            except asyncio.CancelledError:
+                return
+            except grpc.aio.AioRpcError as error:
+                if not self._released and error.code() != grpc.StatusCode.CANCELLED:
+                    _LOGGER.warning(
+                        "session %d: lost the resource manager at %s (%s); its devices stay in use, and "
+                        "the allocation is claimed again when it is back",
+                        session_id,
+                        self._leases.rm_address,
+                        error.code().name,
+                    )
+            if not self._released:
+                # Waits (without polling) until the resource manager answers again.
+                self._call = self._leases.allocate(reclaim, wait_for_ready=True)
+
+    def release(self) -> None:
+        """Ends the allocation (from any thread); idempotent."""
+        self._released = True
+        self._leases.loop.call_soon_threadsafe(self._cancel)
+
+    def _cancel(self) -> None:
+        self._call.cancel()  # on the loop: the call ``_hold`` holds now (it makes no other once released)
