@@ -73,7 +73,7 @@ def test_a_refused_address_fails_at_once_even_with_a_long_timeout():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     seconds, message = result.stdout.split(" ", 1)
-    assert float(seconds) < 5
+    assert float(seconds) < 30  # not the 60 s time-out (at once: < 1 s, but a loaded machine imports slowly)
     assert "grpc://127.0.0.1:1" in message and "nothing is listening there" in message
 
 

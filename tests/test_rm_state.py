@@ -49,6 +49,12 @@ def _registry(islands: int, hosts: int = 1, devices: int = 4, timeout_s: float =
     return registry
 
 
+def _silent_for(registry: Registry, seconds: float, *worker_ids: str) -> None:
+    """As if the workers' last heartbeat came ``seconds`` ago (no sleeping, whatever the machine's load)."""
+    for worker_id in worker_ids:
+        registry.workers[worker_id].last_heartbeat = time.monotonic() - seconds
+
+
 # -- registry ------------------------------------------------------------------------------
 
 
@@ -120,14 +126,14 @@ def test_free_form_ids_are_handed_out_once_per_device():
 
 
 def test_health_follows_heartbeats_and_exits_and_only_flips_are_changes():
-    registry = _registry(2, timeout_s=0.05)
+    registry = _registry(2)
     assert [e.worker_id for e in registry.take_changes()] == ["island0-host0", "island1-host0"]
     assert registry.heartbeat("island0-host0", 1000) == (True, False)
     assert registry.heartbeat("island0-host0", 999) == (False, False)  # another incarnation: register again
     assert registry.heartbeat("island7-host0", 1) == (False, False)
     assert registry.take_changes() == []  # heartbeats of healthy workers change nothing
 
-    time.sleep(0.06)
+    _silent_for(registry, 3.1, "island0-host0", "island1-host0")
     registry.heartbeat("island1-host0", 1001)
     assert [e.worker_id for e in registry.sweep()] == ["island0-host0"]
     assert registry.sweep() == []
@@ -146,12 +152,12 @@ def test_health_follows_heartbeats_and_exits_and_only_flips_are_changes():
 
 
 def test_attached_workers_live_by_their_stream_and_only_the_unattached_are_swept():
-    registry = _registry(3, timeout_s=0.05)
+    registry = _registry(3)
     attached, gone = registry.workers["island0-host0"], registry.workers["island1-host0"]
     registry.attach(attached)
     registry.attach(gone)
     registry.take_changes()
-    time.sleep(0.06)
+    _silent_for(registry, 3.1, *registry.workers)
     # Silent for longer than the time-out: only island 2, which heartbeats, is swept.
     assert [e.worker_id for e in registry.sweep()] == ["island2-host0"]
     assert attached.healthy and attached.state(time.monotonic()).heartbeat_age_s == 0.0
@@ -185,20 +191,22 @@ def test_load_reports_are_changes_for_watchers_but_not_of_devices():
     assert registry.worker_states([entry])[0].load == pb.WorkerLoad(sessions=2, arrays=5, array_bytes=80)
 
 
-def test_512_hosts_register_in_well_under_a_second():
-    requests = [_request(island, port=20000 + island) for island in range(512)]
+def test_512_hosts_register_and_a_heartbeat_or_sweep_touches_only_its_own_worker():
+    """What keeps 1,024 hosts cheap, as behaviour (the times are in benchmarks/rm_scale.py)."""
     registry = Registry(Topology(512, "cpu", 1, 4), 3.0)
-    started = time.perf_counter()
-    for request in requests:
-        registry.register(request)
-    elapsed = time.perf_counter() - started
+    for island in range(512):
+        registry.register(_request(island, port=20000 + island))
     assert len(registry.device_ids()) == 2048
-    assert elapsed < 0.25, f"registering 512 hosts took {elapsed:.3f} s"
-    started = time.perf_counter()
-    for _ in range(512):
-        registry.heartbeat("island300-host0", 1300)
-    registry.sweep()
-    assert time.perf_counter() - started < 0.05
+    assert registry.device_ids((300,)) == [1200, 1201, 1202, 1203]
+    registry.take_changes()
+    for island in range(512):
+        registry.attach(registry.workers[f"island{island}-host0"])
+    registry.take_changes()
+    # Attached workers are never swept, however long since a message: none is looked at.
+    _silent_for(registry, 60, *registry.workers)
+    assert registry.sweep() == [] and registry.take_changes() == []
+    assert registry.heartbeat("island300-host0", 1300) == (True, False)
+    assert registry.take_changes() == []
 
 
 # -- allocator -----------------------------------------------------------------------------
@@ -273,34 +281,25 @@ def test_reclaimed_grants_hold_their_devices_until_released_once():
     assert allocator.grant(registry) == [bob]
 
 
-def test_allocation_decisions_on_2048_devices_take_under_10_ms():
+def test_allocation_decisions_on_2048_devices_respect_the_queue_and_fill_the_cluster():
+    """Decisions on a big, busy cluster (their times: benchmarks/rm_scale.py, Allocate p50/p99)."""
     registry, allocator = _registry(512), Allocator()
     for island in range(0, 512, 2):  # every other island held exclusively, and the rest shared
         _submit(allocator, registry, f"x{island}", exclusive=True, islands=[island])
         _submit(allocator, registry, f"s{island}", n=2, islands=[island + 1])
     assert len(allocator.grant(registry)) == 512
     blocked = _submit(allocator, registry, "whole", exclusive=True)  # waits behind everyone
-    timings = []
     for i in range(200):
-        started = time.perf_counter()
         ticket = _submit(allocator, registry, f"t{i}", exclusive=bool(i % 2), n=8)
         granted = allocator.grant(registry)
         allocator.waiting(blocked, registry)
         allocator.release(ticket)
-        timings.append(time.perf_counter() - started)
         assert granted == [] and ticket not in allocator.queue  # all of them conflict with "whole", ahead
-    timings.sort()
-    assert timings[int(len(timings) * 0.99)] < 0.010, f"p99 {timings[int(len(timings) * 0.99)] * 1e3:.1f} ms"
     allocator.release(blocked)
-    timings = []
     for i in range(64):  # until the cluster is full: each one looks further for free devices
-        started = time.perf_counter()
         ticket = _submit(allocator, registry, f"g{i}", exclusive=True, n=8)
         assert allocator.grant(registry) == [ticket]
-        timings.append(time.perf_counter() - started)
     assert len(set(d for t in allocator.granted.values() for d in t.devices)) == 2048
-    timings.sort()
-    assert timings[int(len(timings) * 0.99)] < 0.010, f"p99 {timings[int(len(timings) * 0.99)] * 1e3:.1f} ms"
 
 
 def test_big_clusters_hand_out_longer_heartbeat_intervals():

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import grpc
 
 from pathways_nb.core import host_profiler
-from pathways_nb.protocol.errors import RequestError, as_request_error
 from pathways_nb.core.keepalive import Liveness
+from pathways_nb.protocol.errors import RequestError, as_request_error
 from pathways_nb.rm.allocator import Allocator, Unsatisfiable
 from pathways_nb.rm.registry import Registry, WorkerEntry
 from pathways_nb.rm.topology import Topology
