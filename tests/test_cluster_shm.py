@@ -197,7 +197,9 @@ def test_no_file_is_left_behind(proxy, cluster):
         assert {d.name.split("-")[0] for d in mine} >= {"proxy", "worker"}  # they did use shared memory
     else:
         assert [d for d in mine if d.name.startswith("worker")] == []  # its workers never did
-    assert [f for d in mine for f in d.iterdir()] == []
+    # What stays: the "owner" proof of a jax client's upload directory (this process's, if an earlier
+    # test connected here), for as long as that client lives.
+    assert [f for d in mine for f in d.iterdir() if f.name != "owner"] == []
 
 
 def test_a_download_the_proxy_cannot_take_comes_over_grpc(proxy, cluster, tmp_path, monkeypatch):
