@@ -82,7 +82,7 @@ test: install chromium iproute2 compat-venvs
 	PATHWAYS_OLD_CLIENT_PYTHON=$(abspath $(OLD_CLIENT_VENV))/bin/python \
 	PATHWAYS_JAX09_PYTHON=$(abspath $(JAX09_CLIENT_VENV))/bin/python \
 	PATHWAYS_PY312_PYTHON=$(if $(filter True,$(HAVE_PY312)),$(abspath $(PY312_VENV))/bin/python) \
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 clean:
 	rm -rf $(VENV) $(OLD_CLIENT_VENV) $(JAX09_CLIENT_VENV) $(PY312_VENV) *.egg-info
