@@ -225,6 +225,7 @@ UNDOCUMENTED_VARIABLES = {
     "stops itself once that process is gone",
     "JUPYTER_PATH": "Jupyter's own search path, documented by Jupyter: the quickstart only puts its "
     "temporary kernel in front of it",
+    "PATH": "the shell's: a colocated host passes it on to the executors it starts (their only inherited variable)",
 }
 
 
