@@ -18,7 +18,7 @@ import pytest
 from jax._src.lib import _jax
 from jaxlib.mlir.dialects import stablehlo
 
-from pathways_nb.protocol.errors import InvalidRequest
+from pathways_nb.protocol.errors import Internal, InvalidRequest
 from pathways_nb.testing import WireSession
 from pathways_nb.worker.program_check import ProgramChecker
 
@@ -88,3 +88,29 @@ def test_a_program_that_crashes_the_reader_is_refused_and_the_server_lives(backe
         assert len(request.getfixturevalue("cluster").exits) == exits  # no worker died and was replaced
     else:
         assert request.getfixturevalue("proxy_server").alive()
+
+
+def _broken_jaxlib(directory) -> None:
+    """A ``jaxlib`` package in ``directory`` that fails to import, as a stray folder or a bad install would."""
+    (directory / "jaxlib").mkdir()
+    (directory / "jaxlib" / "__init__.py").write_text("raise ImportError('a jaxlib broken on purpose')\n")
+
+
+def test_a_broken_checker_is_reported_as_the_servers_fault_not_the_programs(tmp_path, monkeypatch):
+    _broken_jaxlib(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the child imports the broken jaxlib first
+    checker = ProgramChecker()
+    with pytest.raises(Internal) as error:
+        checker.check(_artifact())
+    assert "program checker exited with status 1" in error.value.message
+    assert "a jaxlib broken on purpose" in error.value.message  # its own words, not "corrupted program"
+    monkeypatch.delenv("PYTHONPATH")
+    checker.check(_artifact())  # the next request starts a new one
+
+
+def test_a_folder_in_the_servers_working_directory_does_not_replace_a_package_of_the_checker(tmp_path, monkeypatch):
+    _broken_jaxlib(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    checker = ProgramChecker()
+    checker.check(_artifact())
+    assert checker.crashes == 0

@@ -16,16 +16,20 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import logging
 import os
 import select
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
 from pathways_nb.core.exit_status import exit_description
-from pathways_nb.protocol.errors import InvalidRequest
+from pathways_nb.protocol.errors import Internal, InvalidRequest
+
+_LOGGER = logging.getLogger(__name__)
 
 # How long one program may take to read before its reader is given up (and the program refused).
 CHECK_TIMEOUT_S = 120.0
@@ -42,6 +46,7 @@ class ProgramChecker:
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
         self._child: subprocess.Popen | None = None
+        self._stderr = None  # the child's standard error (a temporary file), read when it ends badly
         self._safe: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         # Children that died reading a program (or were given up), for tests and logs.
         self.crashes = 0
@@ -70,6 +75,15 @@ class ProgramChecker:
             reply = _read_frame(child.stdout, time.monotonic() + self.timeout_s)
         except (OSError, EOFError, TimeoutError) as error:
             self._give_up(child)
+            if child.returncode >= 0 and not isinstance(error, TimeoutError):
+                # Python's own exit (an import failed, a pipe broke), not a crash inside the reader: the
+                # checker is broken, not the program. Said so, with its words, instead of refusing programs.
+                said = self._said(child)
+                _LOGGER.error("the program checker %s: %s", exit_description(child.returncode), said)
+                raise Internal(
+                    f"this server's program checker {exit_description(child.returncode)} before it read the "
+                    f"program ({said[-300:] or 'it said nothing'}); the next request starts a new one"
+                ) from None
             how = (
                 f"it took longer than {self.timeout_s:g} s"
                 if isinstance(error, TimeoutError)
@@ -86,11 +100,14 @@ class ProgramChecker:
     def _running_child(self) -> subprocess.Popen:
         child = self._child
         if child is None or child.poll() is not None:
+            self._stderr = tempfile.TemporaryFile()
             child = self._child = subprocess.Popen(
-                [sys.executable, "-m", __name__],
+                # -P: the server's working directory is not on the child's path (a folder there named
+                # like a package it imports would replace that package).
+                [sys.executable, "-P", "-m", __name__],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
+                stderr=self._stderr,
                 env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
             )
         return child
@@ -100,6 +117,12 @@ class ProgramChecker:
         child.kill()
         child.wait()
         self._child = None
+
+    def _said(self, child: subprocess.Popen) -> str:
+        """The last lines the (ended) child wrote to its standard error."""
+        self._stderr.seek(0)
+        lines = self._stderr.read().decode(errors="replace").strip().splitlines()
+        return " | ".join(lines[-5:])
 
 
 def _read_frame(stream, deadline: float) -> bytes:
