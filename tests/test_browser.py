@@ -123,15 +123,18 @@ def _open_and_run_all(page, url: str, name: str = "pathways.ipynb") -> None:
     """Opens the notebook ``name`` and starts running every cell, once its kernel is up."""
     page.goto(f"{url}/lab/tree/{name}")
     page.wait_for_selector(".jp-Notebook", timeout=60_000)
-    # Run only once the notebook's own kernel is up: running earlier makes JupyterLab ask for a kernel.
+    # Run only once this notebook is the current tab (JupyterLab restores the tabs of the last test
+    # first; run-all went to the previous notebook once) and its own kernel is up: running earlier
+    # makes JupyterLab ask for a kernel.
     page.wait_for_function(
-        """() => {
+        """(name) => {
             const panel = window.jupyterapp && window.jupyterapp.shell.currentWidget;
-            const kernel = panel && panel.sessionContext && panel.sessionContext.session
-                && panel.sessionContext.session.kernel;
+            const kernel = panel && panel.context && panel.context.path === name && panel.sessionContext
+                && panel.sessionContext.session && panel.sessionContext.session.kernel;
             return kernel && kernel.name === 'pathways' && kernel.connectionStatus === 'connected'
                 && kernel.status === 'idle';
         }""",
+        arg=name,
         timeout=120_000,
     )
     # Start the run without awaiting it (the command's promise lasts until every cell has run).
