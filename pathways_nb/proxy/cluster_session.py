@@ -338,7 +338,6 @@ class ClusterSession:
         """Has ``value``'s worker send it (or ``region`` of it) straight to ``target``'s worker."""
         array_id = target.new_id()
         meta = array_meta(value.kind, shape, self._local(sharding))
-        target.send(pb.Command(expect=pb.Expect(id=array_id, meta=meta)))
         send = pb.Send(
             source=value.array_id,
             peer_address=target.address,
@@ -350,7 +349,10 @@ class ClusterSession:
         if region is not None:
             send.start.extend(s.start for s in region)
             send.stop.extend(s.stop for s in region)
-        value.link.send(pb.Command(send=send))
+        # Asked first: a sender already lost fails the copy here, before the target expects anything.
+        sent = value.link.request(pb.Command(send=send), "send")
+        target.send(pb.Command(expect=pb.Expect(id=array_id, meta=meta)))
+        sent.add_done_callback(lambda reply: _fail_if_not_sent(reply, value.link, target, array_id, meta))
         return RemoteArray(target, array_id, value.kind, shape, sharding)
 
     def copy_blocks(self, value, sharding: IfrtSharding) -> bool:
@@ -632,6 +634,21 @@ class ClusterSession:
         for link in links:
             link.close()
         self._lease.release()
+
+
+def _fail_if_not_sent(reply: Future, source: WorkerLink, target: WorkerLink, array_id: int, meta) -> None:
+    """A send whose worker was lost or could not push: the target's expected array fails instead of waiting forever."""
+    error = reply.exception()
+    if error is None:
+        return
+    failure = as_request_error(error)
+    message = f"an array sent from {source.describe()} did not arrive: {failure.message}"
+    try:
+        target.send(
+            pb.Command(expect=pb.Expect(id=array_id, meta=meta, error=pb.Status(code=failure.code, message=message)))
+        )
+    except RequestError:
+        pass  # the target is gone too: its own loss fails the array
 
 
 def _colocated_device(device: pb.Device) -> pb.Device:
