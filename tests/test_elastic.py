@@ -14,6 +14,7 @@ import os
 import signal
 
 from pathways_nb.launch.local_cluster import LocalCluster
+from pathways_nb.launch.supervisor import Backoff
 from pathways_nb.testing import finish, python_process
 
 TRAINING = """
@@ -45,7 +46,9 @@ TRAINING = """
             state["w"] = float(np.mean([np.asarray(u) for u in updates]))
             state["steps"] += 1
             state["used"].append(slices)
-            if state["used"][-3:] == [[0, 1]] * 3 and [0] in state["used"]:
+            # Done once both islands serve again after the survivor trained alone (or, if it never
+            # did, after enough steps for the assertions to say so instead of training forever).
+            if state["used"][-3:] == [[0, 1]] * 3 and ([0] in state["used"] or len(state["used"]) > 100):
                 return state
 
     print(json.dumps(train()), flush=True)
@@ -69,9 +72,67 @@ def test_elastic_manager_trains_through_a_worker_death():
         used = result["used"]
         # Both islands, then the survivor alone while the worker is down, then both again.
         assert used[:3] == [[0, 1]] * 3
-        assert [0] in used
+        assert [0] in used, f"training never went on on the surviving island alone: {used[:8]}..."
         first_alone = used.index([0])
         assert all(u == [0] for u in used[first_alone : used.index([0, 1], first_alone)])
         assert used[-1] == [0, 1]
         assert any(e.name == "worker-1-0" and e.description == "killed by signal SIGKILL" for e in cluster.exits)
         assert "DATA_LOSS" in err
+
+
+HEALTH_CHECKS = """
+    import json, sys, jax, numpy as np, pathways_nb
+    from pathwaysutils.elastic import elastic
+
+    pathways_nb.connect(sys.argv[1], tenant="checks")
+    slices = elastic.get_slice_to_devices(jax.devices())
+    fresh = jax.jit(lambda x: x * 3 - 1)
+
+    def report():
+        try:
+            active = sorted(elastic.get_active_slice_indices(slices))
+        except Exception as error:                                # pathwaysutils counts no slice down here
+            active = f"the health check failed: {type(error).__name__}: {error}"
+        try:
+            result = fresh(jax.device_put(np.float32(2), slices[1][0]))
+        except Exception as error:
+            return {"active": active, "run": f"dispatch failed: {type(error).__name__}: {error}"}
+        try:
+            return {"active": active, "run": float(result)}
+        except jax.errors.JaxRuntimeError as error:
+            return {"active": active, "run": f"read failed: {error}"}
+
+    print(json.dumps({"active": sorted(elastic.get_active_slice_indices(slices))}), flush=True)
+    for line in sys.stdin:                                        # the test kills island 1, then brings it back
+        print(json.dumps(report()), flush=True)
+"""
+
+
+def test_programs_compile_for_an_island_that_is_down_and_run_once_it_is_back():
+    """As on Pathways, compiling needs no live slice: pathwaysutils' health check compiles a program
+    for every slice and counts one down when running it fails. A compile that failed instead made
+    every check fail, and the elastic Manager retried without ever training on the survivors.
+    """
+    with LocalCluster(islands=2, devices_per_host=1) as cluster:
+        cluster.supervisor.backoff = Backoff(first_s=600)  # island 1 stays down until the test restarts it
+        client = python_process(HEALTH_CHECKS, cluster.address)
+        try:
+            assert json.loads(client.stdout.readline()) == {"active": [0, 1]}
+            worker = cluster.workers[(1, 0)]
+            old_pid = worker.process.pid
+            cluster.kill_worker(1)
+            client.stdin.write("\n")
+            client.stdin.flush()
+            down = json.loads(client.stdout.readline())
+            assert down["active"] == [0], down
+            assert down["run"].startswith("read failed: DATA_LOSS") and "island 1 host 0" in down["run"], down
+            worker.relaunch(keep_port=False)
+            cluster.wait_for_worker(1, 0, not_pid=old_pid)
+            client.stdin.write("\n")
+            client.stdin.flush()
+            # The program compiled while island 1 was down runs on its new worker.
+            assert json.loads(client.stdout.readline()) == {"active": [0, 1], "run": 5.0}
+            _out, err = finish(client, 60)  # closes the client's stdin: it ends
+            assert client.returncode == 0, err[-4000:]
+        finally:
+            client.kill()

@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from pathways_nb.launch.local_cluster import LocalCluster
-from pathways_nb.testing import python_process
+from pathways_nb.testing import finish, python_process
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +111,39 @@ def test_dead_worker_fails_new_work_clearly_and_comes_back_by_itself(supervised)
     finally:
         client.kill()
         client.communicate()
+
+
+SENT_FROM_A_DYING_ISLAND = """
+    import sys, json, jax, numpy as np, pathways_nb
+    pathways_nb.connect(sys.argv[1], tenant="mover")
+    island0, island1 = jax.devices()[0], jax.devices()[2]
+    busy = jax.jit(lambda x: jax.lax.fori_loop(0, 2_000_000_000, lambda i, v: v * 0.5 + 1.0, x))
+    source = busy(jax.device_put(np.ones(4, np.float32), island1))
+    moved = jax.device_put(source, island0)                      # island 1 sends it once it is computed
+    print(json.dumps({"issued": True}), flush=True)
+    sys.stdin.readline()                                          # the test kills island 1's worker meanwhile
+    try:
+        print(json.dumps({"value": np.asarray(moved).tolist()}), flush=True)
+    except Exception as error:
+        print(json.dumps({"error": f"{type(error).__name__}: {error}"}), flush=True)
+"""
+
+
+def test_an_array_on_its_way_from_a_worker_that_dies_fails_its_reads(supervised):
+    """The receiving worker is alive and waits for the bytes, which will never come: the proxy tells it."""
+    _wait_healthy(supervised, 30)
+    client = python_process(SENT_FROM_A_DYING_ISLAND, supervised.address)
+    try:
+        assert _read_json(client) == {"issued": True}
+        old_pid = supervised.workers[(1, 0)].process.pid
+        os.kill(old_pid, signal.SIGKILL)
+        _send(client)
+        out, err = finish(client, 120)
+        report = json.loads(out.splitlines()[-1])
+        assert "DATA_LOSS" in report.get("error", "") and "island 1 host 0" in report["error"], (report, err[-3000:])
+    finally:
+        client.kill()
+    supervised.wait_for_worker(1, 0, timeout_s=120, not_pid=old_pid)
 
 
 KEEPS_WORKING = """

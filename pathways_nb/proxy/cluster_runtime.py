@@ -16,7 +16,7 @@ import secrets
 import threading
 import uuid
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, wait
 from typing import Any
 
@@ -40,7 +40,7 @@ from pathways_nb.protocol.errors import (
 from pathways_nb.protocol.layouts import LayoutBook
 from pathways_nb.proxy.cluster_session import ClusterSession
 from pathways_nb.proxy.lease import Leases
-from pathways_nb.proxy.worker_link import WorkerLink
+from pathways_nb.proxy.worker_link import WorkerLink, WorkerLost
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
 
@@ -136,6 +136,15 @@ class ClusterRuntime:
         if worker is None or worker.healthy or worker.incarnation != incarnation:
             return ""
         return worker.down_reason
+
+    def down(self, device: pb.Device) -> WorkerLost:
+        """The error for work on a device whose worker the cluster reports down (with why, when it knows)."""
+        worker = self.worker(device.worker_id)
+        reason = f" ({worker.down_reason})" if worker is not None and worker.down_reason else ""
+        return WorkerLost(
+            f"island {device.island} host {device.host_index} ({device.worker_address}) is down{reason}; "
+            f"work on island {device.island} fails until its worker is back. Other islands keep serving"
+        )
 
     def cluster_state(self) -> pb.ClusterState:
         try:
@@ -271,17 +280,51 @@ class ClusterRuntime:
         return link.request(command, "compile")
 
     def compile(
-        self, hosts: Sequence[pb.Device], stablehlo: bytes, options: bytes, device_ids, local_ids
+        self,
+        hosts: Sequence[pb.Device],
+        stablehlo: bytes,
+        options: bytes,
+        device_ids,
+        local_ids,
+        stand_in: Callable[[], pb.Device | None] | None = None,
     ) -> RemoteProgram:
-        """Compiles on every host of the program at once (blocks: it runs on the compile pool)."""
+        """Compiles on every host of the program at once (blocks: it runs on the compile pool).
+
+        A program compiles whatever the state of its island, as on Pathways, where the compile
+        does not need the slice (pathwaysutils' elastic health check compiles a program for each
+        slice and counts a slice down only when running it fails): a host that is down, or lost
+        meanwhile, compiles it when it is back, on the stream of its first execution there
+        (``program_id_on``), and executions on it fail with DATA_LOSS until then. If every host is
+        down, a healthy worker with the same kind of devices (``stand_in``) compiles it in their
+        stead, for its description, and forgets it; with none, the compile fails with the loss.
+        """
         ids = [next(self._program_ids) for _ in hosts]
-        links = [self.control_link(host) for host in hosts]
-        replies = [
-            self._send_compile(link, program_id, stablehlo, options, local_ids)
-            for link, program_id in zip(links, ids, strict=True)
-        ]
-        compiled = [link.result(reply).compiled for link, reply in zip(links, replies, strict=True)]
-        info = program_from_proto(compiled[0], tuple(device_ids))
+        sent: list[tuple[WorkerLink, Future] | WorkerLost] = []
+        for host, program_id in zip(hosts, ids, strict=True):
+            try:
+                if not host.healthy:
+                    raise self.down(host)
+                link = self.control_link(host)
+                sent.append((link, self._send_compile(link, program_id, stablehlo, options, local_ids)))
+            except WorkerLost as lost:
+                sent.append(lost)
+        compiled: dict[int, pb.CompiledProgram] = {}
+        lost: list[WorkerLost] = []
+        for index, reply in enumerate(sent):
+            try:
+                if isinstance(reply, WorkerLost):
+                    raise reply
+                link, future = reply
+                compiled[index] = link.result(future).compiled
+            except WorkerLost as error:
+                lost.append(error)
+        description = next(iter(compiled.values()), None)
+        if description is None:
+            substitute = stand_in() if stand_in is not None else None
+            if substitute is None:
+                raise lost[0]
+            description = self._compile_in_stead(substitute, stablehlo, options, local_ids, lost[0])
+        info = program_from_proto(description, tuple(device_ids))
         program = RemoteProgram(
             **{f.name: getattr(info, f.name) for f in dataclasses.fields(ProgramInfo)},
             hosts=tuple(hosts),
@@ -290,11 +333,27 @@ class ClusterRuntime:
             local_device_ids=tuple(local_ids),
         )
         with self._lock:
-            known = self._compiled[program] = {host.incarnation: i for host, i in zip(hosts, ids, strict=True)}
+            known = self._compiled[program] = {hosts[i].incarnation: ids[i] for i in compiled}
         # Once no session handle, compile-cache entry or running request holds the program, its
         # workers drop it too (their table of programs would only grow otherwise).
         weakref.finalize(program, self._dropped.put, (program.hosts, known))
         return program
+
+    def _compile_in_stead(
+        self, worker: pb.Device, stablehlo: bytes, options: bytes, local_ids, lost: WorkerLost
+    ) -> pb.CompiledProgram:
+        """The program compiled on ``worker`` for its description only (it forgets it at once).
+
+        Raises ``lost`` (the hosts' loss) if ``worker`` is lost too.
+        """
+        program_id = next(self._program_ids)
+        link = self.control_link(worker)
+        try:
+            compiled = link.result(self._send_compile(link, program_id, stablehlo, options, local_ids)).compiled
+            link.send(pb.Command(forget_program=pb.ForgetProgram(program=program_id)))
+        except WorkerLost:
+            raise lost from None
+        return compiled
 
     def _forget_forever(self) -> None:
         """Tells workers to drop the programs no one can run any more, in batches."""

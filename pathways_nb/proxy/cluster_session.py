@@ -154,7 +154,7 @@ class ClusterSession:
     def _current(self, device: pb.Device) -> pb.Device:
         """The device's worker as the cluster knows it now (it may have restarted since the allocation)."""
         worker = self.cluster.worker(device.worker_id)
-        if worker is None or worker.incarnation == device.incarnation:
+        if worker is None or (worker.incarnation == device.incarnation and worker.healthy == device.healthy):
             return device
         current = pb.Device()
         current.CopyFrom(device)
@@ -181,12 +181,7 @@ class ClusterSession:
                 if not (self._healthy(device) and link.lost_for_s() > RELINK_AFTER_S):
                     link.send(pb.Command())  # raises the WorkerLost error that ended it
             if not device.healthy:
-                worker = self.cluster.worker(device.worker_id)
-                reason = f" ({worker.down_reason})" if worker is not None and worker.down_reason else ""
-                raise WorkerLost(
-                    f"island {device.island} host {device.host_index} ({device.worker_address}) is down{reason}; "
-                    f"work on island {device.island} fails until its worker is back. Other islands keep serving"
-                )
+                raise self.cluster.down(device)
             if link is not None:
                 link.close()
             link = WorkerLink(
@@ -343,7 +338,6 @@ class ClusterSession:
         """Has ``value``'s worker send it (or ``region`` of it) straight to ``target``'s worker."""
         array_id = target.new_id()
         meta = array_meta(value.kind, shape, self._local(sharding))
-        target.send(pb.Command(expect=pb.Expect(id=array_id, meta=meta)))
         send = pb.Send(
             source=value.array_id,
             peer_address=target.address,
@@ -355,7 +349,10 @@ class ClusterSession:
         if region is not None:
             send.start.extend(s.start for s in region)
             send.stop.extend(s.stop for s in region)
-        value.link.send(pb.Command(send=send))
+        # Asked first: a sender already lost fails the copy here, before the target expects anything.
+        sent = value.link.request(pb.Command(send=send), "send")
+        target.send(pb.Command(expect=pb.Expect(id=array_id, meta=meta)))
+        sent.add_done_callback(lambda reply: _fail_if_not_sent(reply, value.link, target, array_id, meta))
         return RemoteArray(target, array_id, value.kind, shape, sharding)
 
     def copy_blocks(self, value, sharding: IfrtSharding) -> bool:
@@ -448,7 +445,28 @@ class ClusterSession:
         hosts = list({d.host_index: d for d in sorted(devices, key=lambda d: d.host_index)}.values())
         local_ids = tuple(d.local_id for d in devices)
         options = _localize(compile_options, {d.id: d.local_id for d in devices})
-        return self.cluster.compile(hosts, program, options, device_ids, local_ids)
+        return self.cluster.compile(
+            hosts, program, options, device_ids, local_ids, stand_in=lambda: self._stand_in(hosts, local_ids)
+        )
+
+    def _stand_in(self, hosts: Sequence[pb.Device], local_ids: Sequence[int]) -> pb.Device | None:
+        """A healthy worker that can compile a one-host program in its host's stead (None: none can).
+
+        It has devices of the same platform and kind under the same local ids, so the program's
+        compile options (in local ids) compile there to the same program.
+        """
+        if len(hosts) != 1:
+            return None
+        host = hosts[0]
+        by_worker: dict[str, list[pb.Device]] = {}
+        for device in self.allocation.devices:
+            if device.worker_id != host.worker_id and (device.platform, device.kind) == (host.platform, host.kind):
+                by_worker.setdefault(device.worker_id, []).append(device)
+        for devices in by_worker.values():
+            current = self._current(devices[0])
+            if current.healthy and set(local_ids) <= {d.local_id for d in devices}:
+                return current
+        return None
 
     def execute(self, program: RemoteProgram, args: Sequence, keep: frozenset[int] = frozenset()) -> list:
         if len(program.hosts) > 1:
@@ -616,6 +634,21 @@ class ClusterSession:
         for link in links:
             link.close()
         self._lease.release()
+
+
+def _fail_if_not_sent(reply: Future, source: WorkerLink, target: WorkerLink, array_id: int, meta) -> None:
+    """A send whose worker was lost or could not push: the target's expected array fails instead of waiting forever."""
+    error = reply.exception()
+    if error is None:
+        return
+    failure = as_request_error(error)
+    message = f"an array sent from {source.describe()} did not arrive: {failure.message}"
+    try:
+        target.send(
+            pb.Command(expect=pb.Expect(id=array_id, meta=meta, error=pb.Status(code=failure.code, message=message)))
+        )
+    except RequestError:
+        pass  # the target is gone too: its own loss fails the array
 
 
 def _colocated_device(device: pb.Device) -> pb.Device:

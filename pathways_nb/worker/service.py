@@ -24,7 +24,7 @@ from pathways_nb.core.dataflow import Pending, wait_on_loop
 from pathways_nb.core.nonxla import HostContext
 from pathways_nb.core.security import ClusterCredentials
 from pathways_nb.core.storage import StorageRoot, default_root
-from pathways_nb.protocol.errors import RequestError, as_request_error
+from pathways_nb.protocol.errors import RequestError, Unavailable, as_request_error
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
 from pathways_nb.worker.colocated import ColocatedPython
@@ -247,7 +247,8 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
     def push(self, peer_address: str, header: pb.ArrayChunk, host: np.ndarray | None) -> bool:
         """Sends an array (or, in ``header.shared``, the file that holds it) to a peer worker, on a pool thread.
 
-        False if the peer could not take the shared file (the caller sends the bytes instead).
+        False if the peer could not take the shared file (the caller sends the bytes instead);
+        UNAVAILABLE if the push failed (the peer's copy of the array never comes).
         """
         data = memoryview(host.reshape(-1).view(np.uint8)) if host is not None else memoryview(b"")
 
@@ -259,8 +260,9 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
         try:
             return not self._peer(peer_address).PushArray(chunks()).not_shared
         except grpc.RpcError as error:
-            _LOGGER.warning("sending array %d to %s failed: %s", header.id, peer_address, error.details())
-            return True
+            raise Unavailable(
+                f"sending array {header.id} to {peer_address} failed ({error.code().name}: {error.details()})"
+            ) from None
         finally:
             if header.HasField("shared"):
                 shared_memory.discard(header.shared.path)  # taken by now, or never will be

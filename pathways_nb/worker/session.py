@@ -448,8 +448,9 @@ class WorkerSession:
                 if not chunk.HasField("shared"):
                     host = read()
             except Exception as error:  # noqa: BLE001 - the receiver's copy fails with it
-                self._push(command.peer_address, header(as_request_error(error)), None)
-                return
+                failure = as_request_error(error)
+                tell_peer(failure)
+                raise failure from None
             if chunk.HasField("shared"):
                 if self._push(command.peer_address, chunk, None):
                     way = "through shared memory"
@@ -463,19 +464,34 @@ class WorkerSession:
             name = f"to {command.peer_address} {way}"
             self._events(event("transfer", name, devices, started, time.time(), nbytes))
 
+        def tell_peer(error: RequestError) -> None:
+            """The peer's copy fails with ``error`` (if the peer cannot be told, the proxy tells it: ``pushed``)."""
+            try:
+                self._push(command.peer_address, header(error), None)
+            except RequestError:
+                pass
+
         def on_error(error: RequestError) -> None:
-            self._push(command.peer_address, header(error), None)
+            tell_peer(error)
+            pushed(None, error)
 
         def pushed(_result, error: RequestError | None) -> None:
             if error is not None:
                 _LOGGER.warning("session %s: sending array %d failed: %s", self.key, command.source, error.message)
+            if command.request:  # the proxy fails the peer's copy if it never comes
+                reply = pb.Reply(request=command.request, done=True)
+                if error is not None:
+                    reply = pb.Reply(request=command.request, error=pb.Status(code=error.code, message=error.message))
+                self._reply(reply)
 
         run_after([source], lambda: self._background(push, pushed), self.lock, on_error=on_error)
 
     def _expect(self, command: pb.Expect) -> None:
-        record = self.arrays.get(command.id)
-        if record is None:
-            self._new(command.id, command.meta)
+        record = self.arrays.get(command.id) or self._new(command.id, command.meta)
+        if command.HasField("error") and not record.ready:
+            failure = RequestError(command.error.message)
+            failure.code = command.error.code
+            record.fail(failure)
 
     def arrive(self, array_id: int, meta: pb.ArrayMeta, data, error: pb.Status | None) -> None:
         """An array pushed by another worker (possibly before its ``Expect``); ``data``: any buffer."""
