@@ -25,7 +25,10 @@ def programs():
     """A program XLA runs inside its dispatch, and one that is still running when dispatched (~0.1-1 s)."""
     tiny = jax.jit(lambda a: a * 2 + 1)
     slow = jax.jit(lambda a: jnp.tanh(jnp.linalg.matrix_power(a, 8)).sum())
-    small, big = jnp.float32(3), jnp.ones((512, 512), jnp.float32) / 512
+    # On this process's own CPU device: an earlier test may have connected it to a proxy (the default then).
+    cpu = jax.devices("cpu")[0]
+    small = jax.device_put(np.float32(3), cpu)
+    big = jax.device_put(np.ones((512, 512), np.float32) / 512, cpu)
     tiny(small).block_until_ready()
     slow(big).block_until_ready()
     assert tiny(small).is_ready(), "XLA's CPU client no longer runs small programs inside the dispatch"
