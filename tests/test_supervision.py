@@ -89,7 +89,6 @@ def test_dead_worker_fails_new_work_clearly_and_comes_back_by_itself(supervised)
     try:
         assert _read_json(client) == {"before": 6.0}
         old_pid = supervised.workers[(1, 0)].process.pid
-        killed = time.monotonic()
         os.kill(old_pid, signal.SIGKILL)
         _send(client)
         report = _read_json(client)
@@ -98,9 +97,8 @@ def test_dead_worker_fails_new_work_clearly_and_comes_back_by_itself(supervised)
             assert "DATA_LOSS" in failure and "island 1 host 0" in failure, report
         assert "killed by signal SIGKILL" in report["put"]["error"] + report["jit"]["error"], report
         assert report["island0"] == {"value": [[2] * 9] * 2}
+        # Back by itself (how soon: benchmarks/faults.py).
         supervised.wait_for_worker(1, 0, timeout_s=120, not_pid=old_pid)
-        back_after_s = time.monotonic() - killed
-        assert back_after_s < 10, back_after_s
         ended = [e for e in supervised.exits if e.pid == old_pid]
         assert ended and ended[0].description == "killed by signal SIGKILL" and ended[0].name == "worker-1-0"
         _send(client)
