@@ -73,12 +73,21 @@ def lab(kernel_installed, tmp_path_factory):
     shutil.copy(root / "jupyterlab.log", ARTIFACTS / "jupyterlab.log")
 
 
-def _notebook(address: str, token: str) -> nbformat.NotebookNode:
+def _pathways_notebook(address: str, token: str, tenant: str, *cells: str) -> nbformat.NotebookNode:
+    """A notebook on the Pathways kernel that connects to ``address`` as ``tenant``, then runs ``cells``."""
     notebook = nbformat.v4.new_notebook()
     notebook.metadata["kernelspec"] = {"name": "pathways", "display_name": "Python 3 (Pathways)", "language": "python"}
-    notebook.cells = [
-        nbformat.v4.new_code_cell(f"%pathways connect {address} --tenant browser-test --token {token}"),
-        nbformat.v4.new_code_cell(
+    connect = f"%pathways connect {address} --tenant {tenant} --token {token}"
+    notebook.cells = [nbformat.v4.new_code_cell(source) for source in (connect, *cells)]
+    return notebook
+
+
+def _notebook(address: str, token: str) -> nbformat.NotebookNode:
+    return _pathways_notebook(
+        address,
+        token,
+        "browser-test",
+        (
             "import jax, jax.numpy as jnp, numpy as np\n"
             "step = jax.jit(lambda x: jnp.tanh(x @ x.T) / 4)\n"
             "xs = [jax.device_put(np.full((64, 64), 0.1, np.float32), d) for d in jax.devices()]\n"
@@ -86,13 +95,10 @@ def _notebook(address: str, token: str) -> nbformat.NotebookNode:
             "    xs = [step(x) for x in xs]\n"
             "print('loop done', float(xs[0][0, 0]))"
         ),
-        nbformat.v4.new_code_cell("%pathways islands"),
-        nbformat.v4.new_code_cell("%pathways timeline --live"),
-        nbformat.v4.new_code_cell(
-            "for _ in range(10):\n    xs = [step(x) for x in xs]\njax.block_until_ready(xs); print('more done')"
-        ),
-    ]
-    return notebook
+        "%pathways islands",
+        "%pathways timeline --live",
+        "for _ in range(10):\n    xs = [step(x) for x in xs]\njax.block_until_ready(xs); print('more done')",
+    )
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="no Chromium: install it (as root: apt-get install chromium)")
@@ -161,11 +167,11 @@ def _run_and_check(page, url: str) -> None:
 
 
 def _profiling_notebook(address: str, token: str) -> nbformat.NotebookNode:
-    notebook = nbformat.v4.new_notebook()
-    notebook.metadata["kernelspec"] = {"name": "pathways", "display_name": "Python 3 (Pathways)", "language": "python"}
-    notebook.cells = [
-        nbformat.v4.new_code_cell(f"%pathways connect {address} --tenant profile-test --token {token}"),
-        nbformat.v4.new_code_cell(
+    return _pathways_notebook(
+        address,
+        token,
+        "profile-test",
+        (
             "import tempfile, jax, jax.numpy as jnp, numpy as np\n"
             "step = jax.jit(lambda w, x: w - 0.01 * jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w))\n"
             "firsts = [jax.devices()[0], jax.devices()[4]]\n"
@@ -178,10 +184,9 @@ def _profiling_notebook(address: str, token: str) -> nbformat.NotebookNode:
             "    jax.block_until_ready(ws)\n"
             "train(2); logdir = tempfile.mkdtemp()"
         ),
-        nbformat.v4.new_code_cell("%%pathways profile {logdir}\ntrain(3)"),
-        nbformat.v4.new_code_cell("print('profiled', len(_.trace.devices))"),
-    ]
-    return notebook
+        "%%pathways profile {logdir}\ntrain(3)",
+        "print('profiled', len(_.trace.devices))",
+    )
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (make test installs it)")
