@@ -8,6 +8,7 @@ test-artifacts/.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -73,6 +74,27 @@ def lab(kernel_installed, tmp_path_factory):
     shutil.copy(root / "jupyterlab.log", ARTIFACTS / "jupyterlab.log")
 
 
+@contextlib.contextmanager
+def _browser_page():
+    """A page of Debian's Chromium (driven by Playwright); on a failure, a screenshot of it in test-artifacts/."""
+    from playwright.sync_api import sync_playwright
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=CHROMIUM,
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update"],
+        )
+        page = browser.new_page(viewport={"width": 1400, "height": 1100})
+        try:
+            yield page
+        except Exception:
+            page.screenshot(path=str(ARTIFACTS / "failure.png"), full_page=True)
+            raise
+        finally:
+            browser.close()
+
+
 def _pathways_notebook(address: str, token: str, tenant: str, *cells: str) -> nbformat.NotebookNode:
     """A notebook on the Pathways kernel that connects to ``address`` as ``tenant``, then runs ``cells``."""
     notebook = nbformat.v4.new_notebook()
@@ -103,26 +125,12 @@ def _notebook(address: str, token: str) -> nbformat.NotebookNode:
 
 @pytest.mark.skipif(CHROMIUM is None, reason="no Chromium: install it (as root: apt-get install chromium)")
 def test_notebook_in_jupyterlab_shows_the_widgets(lab, cluster):
-    from playwright.sync_api import sync_playwright
-
     url, root = lab
     specs = json.loads(urllib.request.urlopen(f"{url}/api/kernelspecs", timeout=30).read())
     assert "pathways" in specs["kernelspecs"], specs
     nbformat.write(_notebook(cluster.address, cluster.token), root / "pathways.ipynb")
-    ARTIFACTS.mkdir(exist_ok=True)
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=CHROMIUM,
-            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update"],
-        )
-        page = browser.new_page(viewport={"width": 1400, "height": 1100})
-        try:
-            _run_and_check(page, url)
-        except Exception:
-            page.screenshot(path=str(ARTIFACTS / "failure.png"), full_page=True)
-            raise
-        finally:
-            browser.close()
+    with _browser_page() as page:
+        _run_and_check(page, url)
 
 
 def _open_and_run_all(page, url: str, name: str = "pathways.ipynb") -> None:
@@ -192,30 +200,16 @@ def _profiling_notebook(address: str, token: str) -> nbformat.NotebookNode:
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (make test installs it)")
 def test_device_timeline_of_a_profile_in_jupyterlab(lab, cluster):
     """``%%pathways profile`` draws each device's ops in JupyterLab: a row per device of both islands."""
-    from playwright.sync_api import sync_playwright
-
     url, root = lab
     nbformat.write(_profiling_notebook(cluster.address, cluster.token), root / "profiling.ipynb")
-    ARTIFACTS.mkdir(exist_ok=True)
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=CHROMIUM,
-            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update"],
+    with _browser_page() as page:
+        _open_and_run_all(page, url, "profiling.ipynb")
+        page.wait_for_selector("text=profiled 2", timeout=240_000)
+        timeline = page.locator("svg.pw-timeline").first
+        devices = page.evaluate(
+            "() => [...new Set([...document.querySelectorAll('svg.pw-timeline rect.pw-op')]"
+            ".map(r => r.dataset.device))].sort()"
         )
-        page = browser.new_page(viewport={"width": 1400, "height": 1100})
-        try:
-            _open_and_run_all(page, url, "profiling.ipynb")
-            page.wait_for_selector("text=profiled 2", timeout=240_000)
-            timeline = page.locator("svg.pw-timeline").first
-            devices = page.evaluate(
-                "() => [...new Set([...document.querySelectorAll('svg.pw-timeline rect.pw-op')]"
-                ".map(r => r.dataset.device))].sort()"
-            )
-            assert devices == ["0", "4"], devices
-            timeline.screenshot(path=str(ARTIFACTS / "device-timeline.png"))
-            page.screenshot(path=str(ARTIFACTS / "profile-notebook.png"), full_page=True)
-        except Exception:
-            page.screenshot(path=str(ARTIFACTS / "failure.png"), full_page=True)
-            raise
-        finally:
-            browser.close()
+        assert devices == ["0", "4"], devices
+        timeline.screenshot(path=str(ARTIFACTS / "device-timeline.png"))
+        page.screenshot(path=str(ARTIFACTS / "profile-notebook.png"), full_page=True)
