@@ -11,6 +11,7 @@ the stock client, one session per process, cannot open.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import queue
@@ -231,14 +232,22 @@ def wait_until_sessions_end(
         observer.close()
 
 
+@functools.cache
 def other_users_python() -> str | None:
-    """A Python of this one's version that users other than this one can run, where this process is root.
+    """A Python of this one's version with which users other than this one can run an executor of this
+    installation, where this process is root; None where there is none.
 
-    Colocated Python executors run as users of their own only with such an interpreter (a venv
-    under ``/root`` is closed to them): tests pass it as ``colocated_python_executable``.
+    Colocated Python executors run as users of their own only with such an interpreter, and only where
+    they can read this installation too (a venv under ``/root``, or a clone in a directory of mode 0700,
+    is closed to them): the host's own probe decides. Tests pass it as ``colocated_python_executable``
+    and expect tenants kept apart exactly when it is not None.
     """
+    from pathways_nb.launch.colocated_host import choose_policy
+
     candidate = f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"
-    return candidate if os.geteuid() == 0 and os.access(candidate, os.X_OK) else None
+    if os.geteuid() != 0 or not os.access(candidate, os.X_OK):
+        return None
+    return candidate if choose_policy(candidate).separate_users else None
 
 
 def lowered_program(function, example, device_ids: list[int]) -> tuple[bytes, bytes]:
