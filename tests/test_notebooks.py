@@ -34,15 +34,20 @@ def _outputs(cell) -> str:
 
 
 def _widget_html(notebook, cell) -> list[str]:
-    """The HTML of the widgets a cell displayed, from the widget state nbclient saved."""
+    """The HTML of the views (HTML widgets) a cell displayed, from the widget state nbclient saved.
+
+    Other widgets are left out: a compile that lasts over a second under load shows a progress bar
+    (an HBox) in the same cell, before the view.
+    """
     states = notebook.metadata.get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {})
     models = states.get("state", {})
-    return [
-        models[data["application/vnd.jupyter.widget-view+json"]["model_id"]]["state"].get("value", "")
+    shown = [
+        models[data["application/vnd.jupyter.widget-view+json"]["model_id"]]
         for output in cell.get("outputs", [])
         for data in [output.get("data", {})]
         if "application/vnd.jupyter.widget-view+json" in data
     ]
+    return [model["state"]["value"] for model in shown if model["model_name"] == "HTMLModel"]
 
 
 def _execute(name: str):

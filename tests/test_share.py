@@ -133,7 +133,10 @@ def test_device_time_follows_the_weights_when_the_island_is_saturated():
         share = _share_of_a_busy_island(cluster, BUSY)
     light, heavy = share["seconds"]["light"], share["seconds"]["heavy"]
     assert share["busy"] > 0.8, share  # the island was saturated
-    assert 2.7 <= heavy / light <= 3.3, (heavy, light)
+    # Weights 1:3 give 3; a scheduler that ignored them would give 1. Not tighter: the share is work-
+    # conserving, so while a client starved of CPU (a loaded machine) has nothing queued the other runs
+    # alone (3.35 seen beside another test run).
+    assert 2.4 <= heavy / light <= 3.6, (heavy, light)
     # The waits for a turn are on the timeline too.
     assert any(e.kind == "wait" and e.name.endswith("waits its turn") for e in share["events"]["light"])
 
