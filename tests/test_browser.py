@@ -170,7 +170,10 @@ def _run_and_check(page, url: str) -> None:
         timeout=60_000,
     )
     assert bars.count() > 8
-    page.locator("svg.pw-timeline").screenshot(path=str(ARTIFACTS / "timeline.png"))
+    # The live view draws a new SVG twice a second (a loaded machine's screenshot outlasted one and
+    # found it detached): shoot the widget's own element, which stays.
+    live = page.locator(".widget-html-content", has=page.locator("svg.pw-timeline"))
+    live.screenshot(path=str(ARTIFACTS / "timeline.png"))
     page.screenshot(path=str(ARTIFACTS / "notebook.png"), full_page=True)
 
 
