@@ -277,3 +277,16 @@ def test_tls_resource_manager_and_worker(tmp_path):
         for child in (worker, rm):
             if child is not None:
                 child.close()
+
+
+def test_made_tokens_pass_on_a_command_line_and_others_pass_with_an_equals_sign():
+    """One URL-safe token in 64 began with '-', which ``%pathways connect ... --token`` read as an option
+    (a browser test failed so); a user's own such token goes as ``--token=T``."""
+    from pathways_nb.notebook import magics
+
+    parser = magics._parser()
+    for _ in range(2000):
+        token = security.generate_token()
+        assert len(token) == 64 and int(token, 16) >= 0, token
+        assert parser.parse_args(["connect", "local", "--token", token]).token == token
+    assert parser.parse_args(["connect", "local", "--token=-own-token"]).token == "-own-token"

@@ -44,8 +44,9 @@ OPEN_METHOD_PREFIXES = (
 
 
 def generate_token() -> str:
-    """A fresh random cluster token (256 bits, URL-safe text)."""
-    return secrets.token_urlsafe(32)
+    """A fresh random cluster token: 256 bits as hex, safe anywhere (one in 64 URL-safe tokens begins with
+    '-', which ``%pathways connect ... --token`` and every argparse command line take for an option)."""
+    return secrets.token_hex(32)
 
 
 def token_from_env() -> str | None:
