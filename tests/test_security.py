@@ -290,3 +290,5 @@ def test_made_tokens_pass_on_a_command_line_and_others_pass_with_an_equals_sign(
         assert len(token) == 64 and int(token, 16) >= 0, token
         assert parser.parse_args(["connect", "local", "--token", token]).token == token
     assert parser.parse_args(["connect", "local", "--token=-own-token"]).token == "-own-token"
+    with pytest.raises(magics.UsageError, match="a value that begins with '-' goes as --option=VALUE"):
+        parser.parse_args(["connect", "local", "--token", "-own-token"])

@@ -34,6 +34,8 @@ class _Parser(argparse.ArgumentParser):
     """argparse that reports misuse as a one-line UsageError instead of exiting."""
 
     def error(self, message: str):
+        if message.endswith("expected one argument"):  # also when the value begins with '-' (a token may)
+            message += "; a value that begins with '-' goes as --option=VALUE"
         raise UsageError(f"%pathways: {message} (see %pathways help)")
 
     def exit(self, status: int = 0, message: str | None = None):
@@ -64,11 +66,7 @@ def _parser() -> _Parser:
         "--weight", type=float, default=1.0, help="your share of busy devices against other tenants' (default 1)"
     )
     connect.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the server and devices")
-    connect.add_argument(
-        "--token",
-        default=None,
-        help="the cluster token (default: $PATHWAYS_CLUSTER_TOKEN; one that begins with '-': --token=T)",
-    )
+    connect.add_argument("--token", default=None, help="the cluster token (default: $PATHWAYS_CLUSTER_TOKEN)")
     connect.add_argument("--islands", type=int, default=2, help="local: number of islands")
     connect.add_argument("--hosts-per-island", type=int, default=1, help="local: hosts per island")
     connect.add_argument("--devices-per-host", type=int, default=4, help="local: devices per host")
