@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from pathways_nb._version import __version__
 from pathways_nb.core import security
+from pathways_nb.core.keepalive import ONE_MACHINE_WORKER_TIMEOUT_S
 
 
 def _serve_proxy(args: argparse.Namespace) -> int:
@@ -148,6 +149,7 @@ def _up(args: argparse.Namespace) -> int:
         colocated_python=args.colocated_python,
         colocated_python_executable=args.colocated_python_executable,
         storage_root=args.storage_root,
+        worker_timeout_s=args.worker_timeout,
     )
     token_directory = None
     token_file = args.token_file
@@ -387,6 +389,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="directory the workers and the proxy write profiles and checkpoints under (gs://BUCKET/PATH is "
         "BUCKET/PATH there); default: storage/ in the cluster's directory, kept if anything was written",
+    )
+    up.add_argument(
+        "--worker_timeout",
+        type=float,
+        default=ONE_MACHINE_WORKER_TIMEOUT_S,
+        help="seconds within which a worker that stopped answering is found dead (longer than the resource "
+        "manager's 3 s: processes that share a machine's cores can stall for seconds when it is busy)",
     )
     security.add_arguments(up, serve_tls=False, call_tls=False)
     up.set_defaults(run=_up)

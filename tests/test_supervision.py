@@ -228,9 +228,9 @@ def test_a_worker_whose_host_vanishes_is_found_unhealthy_and_is_back_when_it_ret
     stopped = time.monotonic()
     os.kill(worker.pid, signal.SIGSTOP)
     try:
-        # The bound is the worker time-out (3 s); the deadline leaves room for a loaded machine, and
-        # fails where the keepalive does not work (gRPC's default ping time-out alone is a minute).
-        found = _wait_worker(supervised, "island0-host0", lambda w: not w.healthy, 15)
+        # The bound is the worker time-out (10 s on one machine); the deadline leaves room for a loaded
+        # machine, and fails where the keepalive does not work (gRPC's default ping time-out alone is a minute).
+        found = _wait_worker(supervised, "island0-host0", lambda w: not w.healthy, 40)
         found_after_s = time.monotonic() - stopped
         assert "stream to the resource manager ended" in found.down_reason, found
     finally:
@@ -238,6 +238,47 @@ def test_a_worker_whose_host_vanishes_is_found_unhealthy_and_is_back_when_it_ret
     back = _wait_worker(supervised, "island0-host0", lambda w: w.healthy and w.attached, 30)
     # The same process (its arrays are still there), registered again on a new stream.
     assert (back.pid, back.incarnation) == (before.pid, before.incarnation), found_after_s
+
+
+STALLED_S = 4.0  # longer than the 3 s a cluster across hosts allows, well within one machine's 10 s
+
+KEEPS_ITS_ARRAY = """
+    import sys, json, jax, numpy as np, pathways_nb
+    pathways_nb.connect(sys.argv[1], tenant="patient")
+    kept = jax.device_put(np.arange(4, dtype=np.float32), jax.devices()[0])
+    print(json.dumps({"before": np.asarray(kept).tolist()}), flush=True)
+    sys.stdin.readline()                                          # the test stalls island 0's worker
+    print(json.dumps({"after": np.asarray(kept + 1).tolist()}), flush=True)
+"""
+
+
+def test_a_stalled_worker_of_a_machine_s_cluster_is_not_called_dead_and_keeps_its_arrays(supervised):
+    """All processes of a one-machine cluster share its cores: a live worker left unscheduled for
+    seconds (a busy machine) must not be called dead, which would cost every session its arrays."""
+    _wait_healthy(supervised, 30)
+    client = python_process(KEEPS_ITS_ARRAY, supervised.address)
+    worker = supervised.workers[(0, 0)].process
+    try:
+        assert _read_json(client) == {"before": [0.0, 1.0, 2.0, 3.0]}
+        before = _wait_worker(supervised, "island0-host0", lambda w: w.attached, 10)
+        os.kill(worker.pid, signal.SIGSTOP)
+        try:
+            resume_at = time.monotonic() + STALLED_S
+            while time.monotonic() < resume_at:
+                state = supervised.state()
+                assert all(w.healthy for w in state.workers), state
+                time.sleep(0.1)
+        finally:
+            os.kill(worker.pid, signal.SIGCONT)
+        _send(client)
+        assert _read_json(client) == {"after": [1.0, 2.0, 3.0, 4.0]}
+        after = _wait_worker(supervised, "island0-host0", lambda w: w.healthy and w.attached, 30)
+        assert (after.pid, after.incarnation) == (before.pid, before.incarnation)
+        assert client.wait(60) == 0, client.stderr.read()[-3000:]
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+        client.kill()
+        client.communicate()
 
 
 def _workers_of(pid: int) -> list[psutil.Process]:

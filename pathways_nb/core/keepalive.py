@@ -54,6 +54,12 @@ class Liveness:
         ]
 
 
+# The worker time-out of a cluster on one machine (``LocalCluster``, ``pathways-nb up``), where the resource
+# manager's own default is 3 s. There a launcher sees every process that dies at once, so the keepalive
+# only finds a stopped one; and all processes share the same cores: on a busy 2-core machine a live
+# worker's threads went unscheduled for up to 6 s, and with 3 s it was called dead (docs/design.md).
+ONE_MACHINE_WORKER_TIMEOUT_S = 10.0
+
 # A worker's pings to the resource manager: one that vanished is noticed within 10 s (two of these).
 CLIENT_PING_INTERVAL_S = 5.0
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from pathways_nb.core.keepalive import ONE_MACHINE_WORKER_TIMEOUT_S
 from pathways_nb.core.security import ClusterCredentials, generate_token
 from pathways_nb.launch.processes import ChildServer, Status
 from pathways_nb.launch.supervisor import ChildExit, Supervisor
@@ -73,11 +74,17 @@ class LocalCluster:
         colocated_python: bool = False,
         colocated_python_executable: str | None = None,
         storage_root: str | os.PathLike[str] | None = None,
+        worker_timeout_s: float = ONE_MACHINE_WORKER_TIMEOUT_S,
     ):
         """``storage_root``: where the workers and the proxy write profiles and checkpoints
         (``pathways_nb.core.storage``); default ``storage/`` in the cluster's own directory, which is
-        kept after ``close()`` if anything was written there."""
+        kept after ``close()`` if anything was written there. ``worker_timeout_s``: within how long a
+        worker that stopped answering (``SIGSTOP``) is found dead; a stall of less than five sixths of it
+        is never a death."""
         self.spec = ClusterSpec(islands, hosts_per_island, devices_per_host, platform)
+        if not worker_timeout_s > 0:
+            raise ValueError(f"worker_timeout_s must be > 0 seconds, not {worker_timeout_s!r}")
+        self.worker_timeout_s = worker_timeout_s
         # User Python beside the devices (jax.experimental.colocated_python): off unless asked for.
         # Each host then gets a colocated host (``pathways-nb colocated-host``) that starts its
         # executors, with ``colocated_python_executable`` (default: this Python).
@@ -127,6 +134,8 @@ class LocalCluster:
                     str(spec.islands),
                     "--instance_type",
                     f"{spec.platform}:{spec.hosts_per_island}x{spec.devices_per_host}",
+                    "--worker_timeout",
+                    f"{self.worker_timeout_s:g}",
                 ],
                 env=self._child_env,
             )
