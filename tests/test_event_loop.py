@@ -24,7 +24,7 @@ from pathways_nb.core import shared_memory
 from pathways_nb.launch.local_cluster import LocalCluster
 from pathways_nb.testing import python_process
 
-# How long A's worker stays stopped at most: a stall shorter than 2.5 s is never a death (core.keepalive).
+# How long A's worker stays stopped at most: a stall shorter than 2.5 s is never a death anywhere (core.keepalive).
 STOPPED_S = 2.0
 
 SLOW = """

@@ -17,6 +17,7 @@ import time
 import psutil
 import pytest
 
+from pathways_nb import cli
 from pathways_nb.launch.local_cluster import LocalCluster
 from pathways_nb.testing import finish, python_process
 
@@ -279,6 +280,16 @@ def test_a_stalled_worker_of_a_machine_s_cluster_is_not_called_dead_and_keeps_it
         os.kill(worker.pid, signal.SIGCONT)
         client.kill()
         client.communicate()
+
+
+@pytest.mark.parametrize("timeout", ["0", "-3", "nan", "inf"])
+def test_up_refuses_a_worker_time_out_that_is_not_a_positive_number_before_starting_anything(timeout, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["up", "--port", "0", "--worker_timeout", timeout])
+    assert exit_.value.code == 2
+    assert f"pathways-nb up: the worker time-out must be a number of seconds > 0, not {float(timeout)!r}" in (
+        capsys.readouterr().err
+    )
 
 
 def _workers_of(pid: int) -> list[psutil.Process]:

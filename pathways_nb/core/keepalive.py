@@ -9,6 +9,7 @@ vanished. A ping costs each side a few microseconds in gRPC's core, never the Py
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -30,8 +31,8 @@ class Liveness:
         """A sixth of the bound until the next ping, two thirds for its answer (gRPC's core answers
         at once; the margin is for a loaded machine, and is how long a stall may last), a sixth to
         settle (as long as a proxy waits for the cause of a broken stream)."""
-        if not bound_s > 0:
-            raise ValueError(f"the worker time-out must be > 0 seconds, not {bound_s!r}")
+        if not 0 < bound_s < math.inf:
+            raise ValueError(f"the worker time-out must be a number of seconds > 0, not {bound_s!r}")
         return cls(bound_s / 6, bound_s * 2 / 3, bound_s / 6)
 
     @property

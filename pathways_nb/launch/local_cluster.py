@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from pathways_nb.core.keepalive import ONE_MACHINE_WORKER_TIMEOUT_S
+from pathways_nb.core.keepalive import ONE_MACHINE_WORKER_TIMEOUT_S, Liveness
 from pathways_nb.core.security import ClusterCredentials, generate_token
 from pathways_nb.launch.processes import ChildServer, Status
 from pathways_nb.launch.supervisor import ChildExit, Supervisor
@@ -82,8 +82,7 @@ class LocalCluster:
         worker that stopped answering (``SIGSTOP``) is found dead; a stall of less than five sixths of it
         is never a death."""
         self.spec = ClusterSpec(islands, hosts_per_island, devices_per_host, platform)
-        if not worker_timeout_s > 0:
-            raise ValueError(f"worker_timeout_s must be > 0 seconds, not {worker_timeout_s!r}")
+        Liveness.within(worker_timeout_s)  # one the resource manager would refuse fails here, before any process
         self.worker_timeout_s = worker_timeout_s
         # User Python beside the devices (jax.experimental.colocated_python): off unless asked for.
         # Each host then gets a colocated host (``pathways-nb colocated-host``) that starts its
