@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import signal
+
+import pytest
+
 from pathways_nb.launch.local_cluster import LocalCluster
-from pathways_nb.testing import soak
+from pathways_nb.testing import finish, python_process, soak
 
 
 def test_small_soak_has_no_wrong_results_and_memory_comes_back():
@@ -17,3 +21,23 @@ def test_small_soak_has_no_wrong_results_and_memory_comes_back():
     growth = report.memory_growth()
     assert set(growth) == {"resource-manager", "worker-0-0", "worker-1-0", "proxy"}
     assert all(ratio < 1.10 for ratio in growth.values()), report.table()
+
+
+HANGS = """
+    import threading, time
+    def wait_forever():
+        threading.Event().wait()
+    threading.Thread(target=wait_forever, name="stuck").start()
+    time.sleep(600)
+"""
+
+
+def test_a_client_that_hangs_is_reported_with_where_each_of_its_threads_was():
+    """What the soak (and every test) does with a client past its time: abort it and show its stacks."""
+    hung = python_process(HANGS)
+    with pytest.raises(TimeoutError, match="did not finish within 2 s") as raised:
+        finish(hung, timeout_s=2)
+    stacks = str(raised.value)
+    assert 'File "<string>", line 4 in wait_forever' in stacks, stacks  # the stuck thread
+    assert 'File "<string>", line 6 in <module>' in stacks, stacks  # the main one
+    assert hung.returncode == -signal.SIGABRT

@@ -15,6 +15,7 @@ import functools
 import itertools
 import os
 import queue
+import signal
 import subprocess
 import sys
 import textwrap
@@ -271,8 +272,10 @@ def lowered_program(function, example, device_ids: list[int]) -> tuple[bytes, by
 
 
 def python_process(code: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """``python -c code args...`` with pipes, and without this process's JAX settings."""
+    """``python -c code args...`` with pipes, and without this process's JAX settings; a fatal signal
+    (SIGABRT from ``finish``, a crash) makes it print every thread's stack first."""
     environment = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    environment["PYTHONFAULTHANDLER"] = "1"
     environment.update(env or {})
     return subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(code), *args],
@@ -285,16 +288,21 @@ def python_process(code: str, *args: str, env: dict[str, str] | None = None) -> 
 
 
 def finish(process: subprocess.Popen, timeout_s: float = 180.0) -> tuple:
-    """``process.communicate()`` within ``timeout_s``; past it, the process is killed and the error shows
-    the end of its stderr (what a hung client was doing is the first thing to know)."""
+    """``process.communicate()`` within ``timeout_s``; past it, the process is aborted and the error shows
+    the end of its stderr (what a hung client was doing is the first thing to know: a ``python_process``
+    prints every thread's stack on SIGABRT)."""
     try:
         return process.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        process.kill()
-        _out, err = process.communicate()
+        process.send_signal(signal.SIGABRT)
+        try:
+            _out, err = process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # it handles SIGABRT and lives on
+            process.kill()
+            _out, err = process.communicate()
         err = err.decode(errors="replace") if isinstance(err, bytes) else (err or "")
         raise TimeoutError(
-            f"the process did not finish within {timeout_s:g} s; the end of its stderr:\n{err[-6000:]}"
+            f"the process did not finish within {timeout_s:g} s; the end of its stderr:\n{err[-8000:]}"
         ) from None
 
 

@@ -31,7 +31,7 @@ import psutil
 
 from pathways_nb.core.exit_status import exit_description
 from pathways_nb.launch.local_cluster import LocalCluster
-from pathways_nb.testing import python_process, wait_until_sessions_end
+from pathways_nb.testing import finish, python_process, wait_until_sessions_end
 
 CLIENT = """
     import itertools, json, random, sys, time
@@ -73,6 +73,10 @@ CLIENT = """
         # Every combination once: after a warm-up that ran it, nothing new is compiled.
         return itertools.product(KINDS, SHAPES, DTYPES, PROGRAMS, sorted(islands))
 
+    def describe(combo):
+        kind, shape, dtype, program, island = combo
+        return f"{kind} {shape} {np.dtype(dtype).name} program {PROGRAMS.index(program)} island {island}"
+
     report = {"seed": seed, "iterations": 0, "wrong": 0, "wrong_work": [], "errors": [], "connects": 0}
     started = time.monotonic()
     while True:
@@ -87,9 +91,9 @@ CLIENT = """
             try:
                 if not work(*combo, islands):
                     report["wrong"] += 1
-                    report["wrong_work"].append(f"{combo[0]} {combo[1]} {np.dtype(combo[2]).name} island {combo[4]}")
+                    report["wrong_work"].append(describe(combo))
             except Exception as error:
-                report["errors"].append(f"{type(error).__name__}: {str(error)[:300]}")
+                report["errors"].append(f"{describe(combo)}: {type(error).__name__}: {str(error)[:300]}")
             report["iterations"] += 1
             if seconds < 0:
                 print(json.dumps({"progress": report["iterations"]}), flush=True)
@@ -198,7 +202,7 @@ def run(cluster: LocalCluster, clients: int = 8, seconds: float = 60.0, settle_s
     """Soaks ``cluster``: ``clients`` processes, all but one for ``seconds``; that one is killed mid-work."""
     report = SoakReport()
     warmup = _client(cluster, 0, 0)  # every workload once
-    out, err = warmup.communicate(timeout=300)
+    out, err = finish(warmup, timeout_s=300)
     if warmup.returncode != 0:
         raise RuntimeError(f"the warm-up client failed:\n{err[-3000:]}")
     wait_until_sessions_end(cluster.address, cluster.token, timeout_s=30)
@@ -210,7 +214,7 @@ def run(cluster: LocalCluster, clients: int = 8, seconds: float = 60.0, settle_s
     report.killed_seed = clients
     report.killed_note = _kill_mid_work(victim, reports=5, timeout_s=seconds + 120)
     for process in processes:
-        out, err = process.communicate(timeout=seconds + 300)
+        out, err = finish(process, timeout_s=seconds + 300)
         if process.returncode != 0:
             raise RuntimeError(f"a soak client failed (status {process.returncode}):\n{err[-3000:]}")
         report.clients.append(json.loads(out.strip().splitlines()[-1]))
