@@ -131,16 +131,21 @@ def test_a_stopped_worker_holds_up_only_the_session_that_waits_for_it(slow_code,
                 process.communicate()
 
 
+# The same 256 MiB upload, UPLOADS times in a row once told to go; then each one's start and end.
+UPLOADS = 5
 UPLOADER = """
-    import sys, time, jax, numpy as np, pathways_nb
+    import json, sys, time, jax, numpy as np, pathways_nb
     pathways_nb.connect(sys.argv[1], tenant="uploader")
     big = np.ones(64 << 20, np.float32)                   # 256 MiB
     jax.device_put(big[:8], jax.devices()[0]).block_until_ready()
     print("ready", flush=True)
     sys.stdin.readline()
-    started = time.time()
-    jax.device_put(big, jax.devices()[0]).block_until_ready()
-    print("uploaded", started, time.time(), flush=True)
+    times = []
+    for _ in range(int(sys.argv[2])):
+        started = time.time()
+        jax.device_put(big, jax.devices()[0]).block_until_ready().delete()
+        times.append((started, time.time()))
+    print(json.dumps(times), flush=True)
 """
 
 # Tiny programs until told to stop, then each one's start time and round trip.
@@ -165,24 +170,34 @@ TICKER = """
 @pytest.mark.timeout(240)
 def test_a_large_upload_holds_up_no_other_session(backend):
     """A 256 MiB upload is put on its device off the proxy's event loop, so that another session's
-    tiny programs (on another device) keep their pace meanwhile: its slowest round trip during the
-    upload is a fraction of the upload's time (on the loop, the put alone took most of it, and every
-    other request waited)."""
+    tiny programs (on another device) keep their pace meanwhile: the slowest round trip that overlaps
+    an upload is a small fraction of the upload's time.
+
+    Judged on the best of five uploads: a put on the loop holds up every one (a cluster's proxy
+    writing the worker's file: 17-27% of each upload's time, beside a CPU hog or not), while off
+    the loop the best stays under 6% even beside a hog, whose one-off stalls (0.58 s of one 1.06 s
+    upload, once) hold up single uploads, not the verdict. The single-process proxy's CPU put costs
+    next to nothing, so there this shows that the upload's arrival holds up no one."""
     # Over gRPC (as from another host): on this host the proxy would map the client's file, no copy.
-    uploader = python_process(UPLOADER, backend.address, env={shared_memory.ENABLE_ENV: "0"})
+    uploader = python_process(UPLOADER, backend.address, str(UPLOADS), env={shared_memory.ENABLE_ENV: "0"})
     ticker = python_process(TICKER, backend.address)
     try:
         assert _line(uploader) == "ready" and _line(ticker) == "ready"
         _go(uploader)
-        word, started, ended = _line(uploader).split()
+        uploads = json.loads(_line(uploader))
         _go(ticker)
         ticks = json.loads(_line(ticker))
     finally:
         for process in (uploader, ticker):
             process.kill()
             process.communicate()
-    assert word == "uploaded"
-    started, ended = float(started), float(ended)
-    during = [seconds for start, seconds in ticks if started <= start <= ended]
-    assert len(during) >= 3, (ended - started, len(ticks))
-    assert max(during) < (ended - started) / 3, (max(during), ended - started, sorted(during)[-5:])
+    assert len(uploads) == UPLOADS
+    # Per upload: the slowest tick that overlapped it (one the put held up would), and its time.
+    held_up = [
+        (
+            max((took for start, took in ticks if start < ended and start + took > started), default=ended - started),
+            ended - started,
+        )
+        for started, ended in uploads
+    ]
+    assert min(slowest / took for slowest, took in held_up) < 1 / 10, held_up
