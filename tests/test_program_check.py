@@ -3,7 +3,9 @@
 XLA's bytecode reader aborts (SIGSEGV, SIGABRT) on some near-valid corruptions. The test finds
 such a program the way the fuzzer would (seeded bit flips of a real artifact, until one kills a
 bare reader), then sends it to both kinds of server: each refuses it with a clear error, stays
-up (no worker is replaced either), and compiles the intact program right after.
+up (no worker is replaced either), and compiles the intact program right after. A program the
+reader refuses with an ordinary error is refused in the reader's words without the server
+reading it: such a read may still have damaged the heap of the process that did it.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ def crashing() -> tuple[bytes, bytes]:
         try:
             checker.check(mutant)
         except InvalidRequest as refusal:
+            if not checker.crashes:
+                continue  # refused in the reader's words
             assert checker.crashes == 1
             assert "could not be read safely" in refusal.message and "killed by signal" in refusal.message
             checker.check(program)  # a new reader serves the next program
@@ -88,6 +92,27 @@ def test_a_program_that_crashes_the_reader_is_refused_and_the_server_lives(backe
         assert len(request.getfixturevalue("cluster").exits) == exits  # no worker died and was replaced
     else:
         assert request.getfixturevalue("proxy_server").alive()
+
+
+def test_a_program_the_reader_refuses_is_refused_in_its_words_and_never_read_by_the_server(proxy_server):
+    program = _artifact()
+    truncated = program[: len(program) // 2]
+    checker = ProgramChecker()
+    with pytest.raises(InvalidRequest, match="not a StableHLO portable artifact") as refusal:
+        checker.check(truncated)
+    assert checker.crashes == 0
+    with pytest.raises(InvalidRequest) as again:  # remembered: no reader is asked twice
+        checker.check(truncated)
+    assert again.value.message == refusal.value.message
+    checker.check(program)  # the reader that refused it reads the next program
+
+    # The server: MLIR writes what it could not read to the standard error of the process that read it.
+    written = len(proxy_server.log())
+    with WireSession(proxy_server.address) as wire:
+        status = _compile(wire, truncated, wire.init_response.addressable_device_ids[0])
+    assert status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], status
+    assert "not a StableHLO portable artifact" in status.message
+    assert "failed to deserialize" not in proxy_server.log()[written:]
 
 
 def _broken_jaxlib(directory) -> None:

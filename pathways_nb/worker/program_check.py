@@ -2,11 +2,14 @@
 
 XLA's MLIR bytecode reader is not hardened against near-valid corruptions: a flipped bit or a
 truncated artifact can abort the process that reads it ("double free or corruption", SIGSEGV)
-instead of raising. So before a server (a worker, or the single-process proxy) reads a program
-itself, a child process reads it first, the way XLA's compile will: it deserializes the artifact
-and converts it to an HLO computation (parse, verify, legalize). A program the child survives is
-safe to read here; one that kills the child is refused with a clear error, and a new child reads
-the next program. Each distinct program is checked once (by content).
+instead of raising. Worse, one that the reader refuses with an ordinary error may first have
+written past a buffer, and the process aborts later, in some other allocation, depending on what
+its heap held. So before a server (a worker, or the single-process proxy) reads a program itself,
+a child process reads it first, the way the server will: the signature read of ``worker.signature``,
+then XLA's conversion to an HLO computation (parse, verify, legalize). A program the child reads is
+safe to read here. One the child's reader refuses is refused in the child's words, and the server
+never reads it; one that kills the child is refused with a clear error, and a new child reads the
+next program. Each distinct program is checked once (by content).
 
 The child speaks a tiny framed protocol on its standard input and output:
 ``python -m pathways_nb.worker.program_check``.
@@ -36,7 +39,9 @@ CHECK_TIMEOUT_S = 120.0
 # Programs already read safely, by digest (a worker or proxy sees the same few programs again and again).
 _REMEMBERED = 4096
 _LENGTH = struct.Struct("<Q")
-_OK, _ERROR = b"+", b"-"
+# The child's answers: read and converted; read, but XLA's conversion failed (its compile reports
+# that); refused, with the words that follow.
+_OK, _NOT_CONVERTED, _REFUSED = b"+", b"~", b"-"
 
 
 class ProgramChecker:
@@ -47,60 +52,84 @@ class ProgramChecker:
         self._lock = threading.Lock()
         self._child: subprocess.Popen | None = None
         self._stderr = None  # the child's standard error (a temporary file), read when it ends badly
-        self._safe: collections.OrderedDict[bytes, None] = collections.OrderedDict()
-        # Children that died reading a program (or were given up), for tests and logs.
+        # Whether the running child has failed to read a program: one that did may be damaged by it.
+        self._tainted = False
+        # Programs read before, by digest: None if safe, else the words they were refused with.
+        self._checked: collections.OrderedDict[bytes, str | None] = collections.OrderedDict()
+        # Programs refused because reading them killed a reader (or took too long), for tests and logs.
         self.crashes = 0
 
     def check(self, program: bytes) -> None:
         """Returns if reading ``program`` cannot crash this process; raises ``InvalidRequest`` otherwise.
 
-        A program the reader refuses with an ordinary error passes: the caller's own read reports
-        that error in its usual words (the version advice of ``compat.stablehlo`` among them).
+        A program the reader refuses with an ordinary error is refused here, in the words the
+        caller's own read would use (the version advice of ``compat.stablehlo`` among them).
         """
         digest = hashlib.sha256(program).digest()
         with self._lock:
-            if digest in self._safe:
-                self._safe.move_to_end(digest)
-                return
-            self._read_in_child(program)
-            self._safe[digest] = None
-            if len(self._safe) > _REMEMBERED:
-                self._safe.popitem(last=False)
+            if digest in self._checked:
+                self._checked.move_to_end(digest)
+                refusal = self._checked[digest]
+            else:
+                refusal = self._checked[digest] = self._read_in_child(program)
+                if len(self._checked) > _REMEMBERED:
+                    self._checked.popitem(last=False)
+        if refusal is not None:
+            raise InvalidRequest(refusal)
 
-    def _read_in_child(self, program: bytes) -> None:
-        child = self._running_child()
-        try:
-            child.stdin.write(_LENGTH.pack(len(program)) + program)
-            child.stdin.flush()
-            reply = _read_frame(child.stdout, time.monotonic() + self.timeout_s)
-        except (OSError, EOFError, TimeoutError) as error:
-            self._give_up(child)
-            if child.returncode >= 0 and not isinstance(error, TimeoutError):
-                # Python's own exit (an import failed, a pipe broke), not a crash inside the reader: the
-                # checker is broken, not the program. Said so, with its words, instead of refusing programs.
-                said = self._said(child)
-                _LOGGER.error("the program checker %s: %s", exit_description(child.returncode), said)
-                raise Internal(
-                    f"this server's program checker {exit_description(child.returncode)} before it read the "
-                    f"program ({said[-300:] or 'it said nothing'}); the next request starts a new one"
-                ) from None
-            how = (
-                f"it took longer than {self.timeout_s:g} s"
-                if isinstance(error, TimeoutError)
-                else f"the process reading it {exit_description(child.returncode)}"
+    def _read_in_child(self, program: bytes) -> str | None:
+        """None if ``program`` is safe to read; the reader's words if it refused the program."""
+        while True:
+            tainted = self._tainted
+            child = self._running_child()
+            try:
+                child.stdin.write(_LENGTH.pack(len(program)) + program)
+                child.stdin.flush()
+                reply = _read_frame(child.stdout, time.monotonic() + self.timeout_s)
+            except (OSError, EOFError, TimeoutError) as error:
+                if tainted and not isinstance(error, TimeoutError):
+                    # This child had failed to read an earlier program, which may have damaged it: a
+                    # new one decides whether this program is the one that kills its reader.
+                    self._give_up(child)
+                    continue
+                raise self._refusal_after(child, error) from None
+            if reply[:1] == _OK:
+                return None
+            if reply[:1] not in (_NOT_CONVERTED, _REFUSED):
+                self._give_up(child)
+                self.crashes += 1
+                raise InvalidRequest("the program's reader answered nonsense; the program is refused")
+            self._tainted = True
+            return reply[1:].decode(errors="replace") if reply[:1] == _REFUSED else None
+
+    def _refusal_after(self, child: subprocess.Popen, error: Exception) -> Internal | InvalidRequest:
+        """Why the program is refused after ``child`` ended or hung reading it."""
+        self._give_up(child)
+        if child.returncode >= 0 and not isinstance(error, TimeoutError):
+            # Python's own exit (an import failed, a pipe broke), not a crash inside the reader: the
+            # checker is broken, not the program. Said so, with its words, instead of refusing programs.
+            said = self._said(child)
+            _LOGGER.error("the program checker %s: %s", exit_description(child.returncode), said)
+            return Internal(
+                f"this server's program checker {exit_description(child.returncode)} before it read the "
+                f"program ({said[-300:] or 'it said nothing'}); the next request starts a new one"
             )
-            raise InvalidRequest(
-                f"the program could not be read safely: {how}. Its bytes are not a valid StableHLO "
-                "artifact (corrupted or truncated on the way?); lower the function again with jax and send that"
-            ) from None
-        if reply[:1] != _OK and reply[:1] != _ERROR:
-            self._give_up(child)
-            raise InvalidRequest("the program's reader answered nonsense; the program is refused")
+        self.crashes += 1
+        how = (
+            f"it took longer than {self.timeout_s:g} s"
+            if isinstance(error, TimeoutError)
+            else f"the process reading it {exit_description(child.returncode)}"
+        )
+        return InvalidRequest(
+            f"the program could not be read safely: {how}. Its bytes are not a valid StableHLO "
+            "artifact (corrupted or truncated on the way?); lower the function again with jax and send that"
+        )
 
     def _running_child(self) -> subprocess.Popen:
         child = self._child
         if child is None or child.poll() is not None:
             self._stderr = tempfile.TemporaryFile()
+            self._tainted = False
             child = self._child = subprocess.Popen(
                 # -P: the server's working directory is not on the child's path (a folder there named
                 # like a package it imports would replace that package).
@@ -113,7 +142,6 @@ class ProgramChecker:
         return child
 
     def _give_up(self, child: subprocess.Popen) -> None:
-        self.crashes += 1
         child.kill()
         child.wait()
         self._child = None
@@ -146,8 +174,10 @@ def _read_exactly(stream, size: int, deadline: float) -> bytes:
 
 
 def _serve() -> None:
-    """The child: reads each program as XLA's compile will, answers ``+`` or ``-message``."""
+    """The child: reads each program as the server will, answers ``+``, ``~`` or ``-`` and the refusal."""
     from jaxlib import _jax
+
+    from pathways_nb.worker import signature
 
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     while True:
@@ -156,10 +186,13 @@ def _serve() -> None:
             return  # the server closed the pipe (or ended)
         program = stdin.read(_LENGTH.unpack(header)[0])
         try:
+            signature.read(program)
             _jax.mlir.mlir_module_to_xla_computation(program, use_tuple_args=False, return_tuple=False)
             reply = _OK
-        except Exception as error:  # noqa: BLE001 - an ordinary refusal: the server's own read reports it
-            reply = _ERROR + str(error).encode(errors="replace")[:2000]
+        except InvalidRequest as refusal:
+            reply = _REFUSED + refusal.message.encode(errors="replace")[:4000]
+        except Exception:  # noqa: BLE001 - XLA's conversion failed on a program read well: its compile says why
+            reply = _NOT_CONVERTED
         stdout.write(_LENGTH.pack(len(reply)) + reply)
         stdout.flush()
 
