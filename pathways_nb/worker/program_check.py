@@ -5,11 +5,12 @@ truncated artifact can abort the process that reads it ("double free or corrupti
 instead of raising. Worse, one that the reader refuses with an ordinary error may first have
 written past a buffer, and the process aborts later, in some other allocation, depending on what
 its heap held. So before a server (a worker, or the single-process proxy) reads a program itself,
-a child process reads it first, the way the server will: the signature read of ``worker.signature``,
-then XLA's conversion to an HLO computation (parse, verify, legalize). A program the child reads is
-safe to read here. One the child's reader refuses is refused in the child's words, and the server
-never reads it; one that kills the child is refused with a clear error, and a new child reads the
-next program. Each distinct program is checked once (by content).
+a child process reads it first, the way the server will: with XLA's conversion to an HLO
+computation (parse, verify, legalize), and, if that fails, with the reader of the signature read
+(``worker.signature``). A program the child reads is safe to read here. One the child's reader
+refuses is refused in the child's words, and the server never reads it; one that kills the child
+is refused with a clear error, and a new child reads the next program. Each distinct program is
+checked once (by content).
 
 The child speaks a tiny framed protocol on its standard input and output:
 ``python -m pathways_nb.worker.program_check``.
@@ -176,8 +177,10 @@ def _read_exactly(stream, size: int, deadline: float) -> bytes:
 def _serve() -> None:
     """The child: reads each program as the server will, answers ``+``, ``~`` or ``-`` and the refusal."""
     from jaxlib import _jax
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import stablehlo
 
-    from pathways_nb.worker import signature
+    from pathways_nb.compat import stablehlo as stablehlo_versions
 
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     while True:
@@ -186,13 +189,16 @@ def _serve() -> None:
             return  # the server closed the pipe (or ended)
         program = stdin.read(_LENGTH.unpack(header)[0])
         try:
-            signature.read(program)
             _jax.mlir.mlir_module_to_xla_computation(program, use_tuple_args=False, return_tuple=False)
             reply = _OK
-        except InvalidRequest as refusal:
-            reply = _REFUSED + refusal.message.encode(errors="replace")[:4000]
-        except Exception:  # noqa: BLE001 - XLA's conversion failed on a program read well: its compile says why
-            reply = _NOT_CONVERTED
+        except Exception:  # noqa: BLE001 - unreadable, or read well and not converted: the reader says which
+            try:
+                # The reader of the server's signature read (``worker.signature``), in a bare context
+                # (jax's own would cost this child an import of jax: 2.6 s instead of 0.3 s to start).
+                stablehlo.deserialize_portable_artifact(ir.Context(), program)
+                reply = _NOT_CONVERTED  # read well, but XLA's conversion failed: its compile says why
+            except Exception as error:  # noqa: BLE001 - the reader refused it: so does the server, in these words
+                reply = _REFUSED + stablehlo_versions.unreadable(program, error).encode(errors="replace")[:4000]
         stdout.write(_LENGTH.pack(len(reply)) + reply)
         stdout.flush()
 
