@@ -37,7 +37,7 @@ _LOGGER = logging.getLogger(__name__)
 
 # How long one program may take to read before its reader is given up (and the program refused).
 CHECK_TIMEOUT_S = 120.0
-# Programs already read safely, by digest (a worker or proxy sees the same few programs again and again).
+# Programs checked before, by digest (a worker or proxy sees the same few programs again and again).
 _REMEMBERED = 4096
 _LENGTH = struct.Struct("<Q")
 # The child's answers: read and converted; read, but XLA's conversion failed (its compile reports
