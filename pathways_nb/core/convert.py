@@ -7,11 +7,21 @@ from google.protobuf.message import DecodeError
 
 from pathways_nb.core.runtime_api import Aval, ProgramInfo, Signature
 from pathways_nb.protocol import dtypes, schema
-from pathways_nb.protocol.errors import RequestError
+from pathways_nb.protocol.errors import RequestError, error_for
 from pathways_nb.protocol.op_sharding import REPLICATED, UNREDUCED
 from pathways_nb.protocol.op_sharding import read as read_op_sharding
 from pathways_nb.protocol.shardings import IfrtSharding
 from pathways_nb.rpc import cluster_pb2 as pb
+
+
+def status_of(error: RequestError, message: str | None = None) -> pb.Status:
+    """A request error as the status a reply or a message between servers carries (``message`` replaces its own)."""
+    return pb.Status(code=error.code, message=error.message if message is None else message)
+
+
+def error_of(status: pb.Status) -> RequestError:
+    """The request error a received status stands for."""
+    return error_for(status.code, status.message)
 
 
 def sharding_from_proto(proto: pb.Sharding) -> IfrtSharding:

@@ -13,8 +13,9 @@ from pathlib import Path
 import numpy as np
 
 from pathways_nb.core import colocated_arrays
+from pathways_nb.core.convert import status_of
 from pathways_nb.executor.programs import ColocatedDevices, Programs, call, check_client_versions, make_args
-from pathways_nb.protocol.errors import InvalidRequest, RequestError, as_request_error
+from pathways_nb.protocol.errors import InvalidRequest, as_request_error
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
 
@@ -42,8 +43,7 @@ class ExecutorService(cluster_pb2_grpc.ColocatedExecutorServicer):
             outputs = call(program, args, kwargs)
             return pb.ColocatedResult(results=[self._message(output) for output in outputs])
         except Exception as error:  # noqa: BLE001 - answered; the executor serves the next call
-            failure = as_request_error(error) if not isinstance(error, RequestError) else error
-            return pb.ColocatedResult(error=pb.Status(code=failure.code, message=failure.message))
+            return pb.ColocatedResult(error=status_of(as_request_error(error)))
 
     def _array(self, spec, message: pb.ColocatedArray):
         """An input as the function receives it: a jax array laid out as its spec says."""

@@ -31,12 +31,7 @@ from pathways_nb.core.runtime_api import (
 from pathways_nb.core.security import ClusterCredentials
 from pathways_nb.core.session_options import SECRET, SessionOptions
 from pathways_nb.core.storage import StorageRoot, default_root
-from pathways_nb.protocol.errors import (
-    DeadlineExceeded,
-    InvalidRequest,
-    RequestError,
-    Unavailable,
-)
+from pathways_nb.protocol.errors import InvalidRequest, RequestError, Unavailable, from_rpc_error
 from pathways_nb.protocol.layouts import LayoutBook
 from pathways_nb.proxy.cluster_session import ClusterSession
 from pathways_nb.proxy.lease import Leases
@@ -440,11 +435,6 @@ def _session_options(attributes: dict[str, Any], default_timeout_s: float, defau
 
 
 def _rm_error(error: grpc.RpcError, address: str) -> RequestError:
-    code = error.code()
-    if code == grpc.StatusCode.UNAVAILABLE:
+    if error.code() == grpc.StatusCode.UNAVAILABLE:
         return Unavailable(f"the resource manager at {address} is unreachable: {error.details()}")
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return DeadlineExceeded(error.details())
-    failure = RequestError(error.details() or code.name)
-    failure.code = code.value[0]
-    return failure
+    return from_rpc_error(error)

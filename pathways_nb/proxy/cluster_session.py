@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pathways_nb.core import nonxla, string_arrays
-from pathways_nb.core.convert import array_meta
+from pathways_nb.core.convert import array_meta, status_of
 from pathways_nb.core.dataflow import Pending, fulfil
 from pathways_nb.core.events import EventSink
 from pathways_nb.core.runtime_api import (
@@ -645,7 +645,7 @@ def _fail_if_not_sent(reply: Future, source: WorkerLink, target: WorkerLink, arr
     message = f"an array sent from {source.describe()} did not arrive: {failure.message}"
     try:
         target.send(
-            pb.Command(expect=pb.Expect(id=array_id, meta=meta, error=pb.Status(code=failure.code, message=message)))
+            pb.Command(expect=pb.Expect(id=array_id, meta=meta, error=status_of(failure, message)))
         )
     except RequestError:
         pass  # the target is gone too: its own loss fails the array

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from pathways_nb.core import nonxla, session_options
 from pathways_nb.core.dataflow import ArrayRecord, Pending
-from pathways_nb.protocol.errors import InvalidRequest, RequestError, as_request_error
+from pathways_nb.protocol.errors import Code, InvalidRequest, RequestError, as_request_error
 from pathways_nb.proxy.dispatch import DEFERRED
 
 _LOGGER = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ def metadata(session, loaded: NonXlaProgram):
     response = session.messages.proxy.LoadedExecutableMetadataResponse()
     for which in ("parameter", "output"):
         error = getattr(response, f"{which}_layouts_error")
-        error.code = 12  # UNIMPLEMENTED
+        error.code = Code.UNIMPLEMENTED
         error.message = f"a {loaded.parsed.kind} program has no {which} layouts"
     response.output_memory_kinds.memory_kind_lists.add(
         memory_kinds=[spec.sharding.memory_kind or "device" for spec in loaded.plan.outputs]

@@ -20,7 +20,7 @@ import grpc
 
 from pathways_nb.core.dataflow import wait_on_loop
 from pathways_nb.protocol import attributes, data_messages, schema
-from pathways_nb.protocol.errors import DataLoss, RequestError
+from pathways_nb.protocol.errors import DataLoss, RequestError, grpc_code
 from pathways_nb.proxy import (
     handlers,  # noqa: F401 - importing registers the request handlers
     versions,
@@ -40,7 +40,6 @@ STORE_METADATA_KEY = "ifrt-proxy-grpc-host-buffer-store-metadata-bin"
 # largest mmap threshold): 64 MiB ones cost twice the CPU of 1-4 MiB ones (measured, page faults).
 LOOKUP_CHUNK_BYTES = (4 << 20) - 16  # room for the message's tag and length
 
-_GRPC_CODES = {code.value[0]: code for code in grpc.StatusCode}
 # Error messages in a status trailer (a download's) are cut to this length (gRPC's limit on metadata is 8 KiB).
 _TRAILER_CHARS = 4000
 
@@ -258,12 +257,12 @@ class IfrtProxyService:
         except BaseException as e:
             session.host_buffers.release(reserved)
             if isinstance(e, RequestError):
-                await context.abort(_GRPC_CODES.get(e.code, grpc.StatusCode.INTERNAL), e.message)
+                await context.abort(grpc_code(e), e.message)
             raise
         try:
             session.host_buffers.store(metadata.handle, data, reserved)
         except RequestError as e:
-            await context.abort(_GRPC_CODES.get(e.code, grpc.StatusCode.INTERNAL), e.message)
+            await context.abort(grpc_code(e), e.message)
         return self.messages.proxy.GrpcHostBufferStoreResponse()
 
     async def HostBufferLookup(self, request, context):
@@ -274,7 +273,7 @@ class IfrtProxyService:
         try:
             data = session.host_buffers.read(request.handle)
         except RequestError as e:
-            await context.abort(_GRPC_CODES.get(e.code, grpc.StatusCode.INTERNAL), _trailer_text(e.message))
+            await context.abort(grpc_code(e), _trailer_text(e.message))
         if data.nbytes == 0:
             yield b""
             return
@@ -292,7 +291,7 @@ class IfrtProxyService:
         try:
             session.host_buffers.delete(request.handle)
         except RequestError as e:
-            await context.abort(_GRPC_CODES.get(e.code, grpc.StatusCode.INTERNAL), e.message)
+            await context.abort(grpc_code(e), e.message)
         return self.messages.proxy.GrpcHostBufferDeleteResponse()
 
     async def HostBufferReadFromDisk(self, request, context):

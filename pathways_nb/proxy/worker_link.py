@@ -34,6 +34,7 @@ import grpc
 
 from pathways_nb.core import shared_memory
 from pathways_nb.core.aio_server import SERVER_OPTIONS
+from pathways_nb.core.convert import error_of
 from pathways_nb.core.security import ClusterCredentials
 from pathways_nb.protocol.errors import DataLoss, RequestError, Unavailable
 from pathways_nb.rpc import cluster_pb2 as pb
@@ -348,9 +349,7 @@ class WorkerLink:
                     return
             del self._waiters[reply.request]
         if kind == "error":
-            failure = RequestError(reply.error.message)
-            failure.code = reply.error.code
-            future.set_exception(failure)
+            future.set_exception(error_of(reply.error))
         elif kind == "shared":
             try:
                 future.set_result(shared_memory.take(reply.shared.path, reply.shared.size))

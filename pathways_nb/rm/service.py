@@ -24,7 +24,7 @@ import grpc
 
 from pathways_nb.core import host_profiler
 from pathways_nb.core.keepalive import Liveness
-from pathways_nb.protocol.errors import RequestError, as_request_error
+from pathways_nb.protocol.errors import RequestError, as_request_error, grpc_code
 from pathways_nb.rm.allocator import Allocator, Unsatisfiable
 from pathways_nb.rm.registry import Registry, WorkerEntry
 from pathways_nb.rm.topology import Topology
@@ -350,7 +350,7 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
         try:
             xspace = await asyncio.to_thread(control)
         except RequestError as error:
-            await context.abort(_status_code(error), error.message)
+            await context.abort(grpc_code(error), error.message)
         except Exception as error:  # noqa: BLE001 - jaxlib's own failure, reported to the caller
             await context.abort(grpc.StatusCode.INTERNAL, as_request_error(error).message)
         return pb.ProfileResult(xspace=xspace)
@@ -368,8 +368,3 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
             # One update behind: the delta; further (this watcher was slow), or no deltas asked: all of it.
             yield publication.delta if request.deltas and publication.version == seen + 1 else self.state()
             seen = publication.version
-
-
-def _status_code(error: RequestError) -> grpc.StatusCode:
-    """The gRPC status code of a request error."""
-    return next(code for code in grpc.StatusCode if code.value[0] == error.code)

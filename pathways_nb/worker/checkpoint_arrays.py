@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pathways_nb.protocol.errors import DeadlineExceeded, NotFound, RequestError, as_request_error
+from pathways_nb.protocol.errors import DeadlineExceeded, NotFound, RequestError, as_request_error, error_for
 
 # Orbax's defaults for zarr v2 (``tensorstore_utils._build_zarr2_metadata``).
 ZARR_COMPRESSOR = {"id": "zstd", "level": 1}
@@ -196,6 +196,4 @@ def storage_error(error: BaseException, what: str) -> RequestError:
     TensorStore's errors start with their status (``NOT_FOUND: ...``), which they keep.
     """
     failure = as_request_error(error)
-    named = RequestError(f"{what}: {failure.message}")
-    named.code = failure.code
-    return named
+    return error_for(failure.code, f"{what}: {failure.message}")

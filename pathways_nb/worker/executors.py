@@ -21,6 +21,7 @@ import grpc
 import numpy as np
 
 from pathways_nb.core import colocated_arrays
+from pathways_nb.core.convert import error_of
 from pathways_nb.core.security import ClusterCredentials
 from pathways_nb.protocol.errors import FailedPrecondition, InvalidRequest, RequestError, Unavailable
 from pathways_nb.rpc import cluster_pb2 as pb
@@ -134,9 +135,7 @@ class SessionExecutor:
                 raise self._lost(running, name, error) from None
             running.programs.add(digest)
             if result.HasField("error"):
-                failure = RequestError(result.error.message)
-                failure.code = result.error.code
-                raise failure
+                raise error_of(result.error)
             if len(result.results) != len(results):
                 raise InvalidRequest(
                     f"{name} returned {len(result.results)} arrays, its output specs say {len(results)}"

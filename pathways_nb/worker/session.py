@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from pathways_nb.core import nonxla, shared_memory
-from pathways_nb.core.convert import sharding_from_proto
+from pathways_nb.core.convert import error_of, sharding_from_proto, status_of
 from pathways_nb.core.dataflow import ArrayRecord, Pending, run_after
 from pathways_nb.core.events import EventSink, event
 from pathways_nb.core.memory import release_free_memory
@@ -134,7 +134,7 @@ class WorkerSession:
                 failure = as_request_error(error)
                 request = getattr(body, "request", 0)
                 if request:
-                    self._reply(pb.Reply(request=request, error=pb.Status(code=failure.code, message=failure.message)))
+                    self._reply(pb.Reply(request=request, error=status_of(failure)))
                 else:
                     _LOGGER.debug("session %s: %s failed: %s", self.key, kind, failure.message)
 
@@ -202,7 +202,7 @@ class WorkerSession:
 
         def done(compiled, error):
             if error is not None:
-                self._reply(pb.Reply(request=command.request, error=pb.Status(code=error.code, message=error.message)))
+                self._reply(pb.Reply(request=command.request, error=status_of(error)))
             else:
                 self._reply(pb.Reply(request=command.request, compiled=compiled))
 
@@ -385,7 +385,7 @@ class WorkerSession:
 
         def failed(_result, error):
             if error is not None:
-                self._reply(pb.Reply(request=request, error=pb.Status(code=error.code, message=error.message)))
+                self._reply(pb.Reply(request=request, error=status_of(error)))
 
         def on_error(error: RequestError) -> None:
             failed(None, error)
@@ -481,7 +481,7 @@ class WorkerSession:
             if command.request:  # the proxy fails the peer's copy if it never comes
                 reply = pb.Reply(request=command.request, done=True)
                 if error is not None:
-                    reply = pb.Reply(request=command.request, error=pb.Status(code=error.code, message=error.message))
+                    reply = pb.Reply(request=command.request, error=status_of(error))
                 self._reply(reply)
 
         run_after([source], lambda: self._background(push, pushed), self.lock, on_error=on_error)
@@ -489,9 +489,7 @@ class WorkerSession:
     def _expect(self, command: pb.Expect) -> None:
         record = self.arrays.get(command.id) or self._new(command.id, command.meta)
         if command.HasField("error") and not record.ready:
-            failure = RequestError(command.error.message)
-            failure.code = command.error.code
-            record.fail(failure)
+            record.fail(error_of(command.error))
 
     def arrive(self, array_id: int, meta: pb.ArrayMeta, data, error: pb.Status | None) -> None:
         """An array pushed by another worker (possibly before its ``Expect``); ``data``: any buffer."""
@@ -500,9 +498,7 @@ class WorkerSession:
             if record.ready:
                 return
             if error is not None:
-                failure = RequestError(error.message)
-                failure.code = error.code
-                record.fail(failure)
+                record.fail(error_of(error))
                 return
             self._store(record, meta, data)
 
@@ -516,7 +512,7 @@ class WorkerSession:
 
         def done(reply, error):
             if error is not None:
-                reply = pb.Reply(request=command.request, error=pb.Status(code=error.code, message=error.message))
+                reply = pb.Reply(request=command.request, error=status_of(error))
             self._reply(reply)
 
         self._background(query, done)
@@ -550,7 +546,7 @@ class WorkerSession:
                     for record in results:
                         if not record.ready:
                             record.fail(error)
-                    status = pb.Status(code=error.code, message=error.message)
+                    status = status_of(error)
                     self._reply(pb.Reply(request=command.request, error=status))
                     return
                 for record, value in zip(results, values, strict=True):

@@ -12,7 +12,7 @@ from pathways_nb.core import string_arrays
 from pathways_nb.core.dataflow import ArrayRecord, Pending, fulfil, when_all
 from pathways_nb.core.events import event
 from pathways_nb.protocol import dtypes, schema, shardings
-from pathways_nb.protocol.errors import InvalidRequest, RequestError, Unimplemented, as_request_error
+from pathways_nb.protocol.errors import InvalidRequest, RequestError, Unimplemented, as_request_error, error_for
 from pathways_nb.protocol.op_sharding import Tiling
 from pathways_nb.protocol.shardings import IfrtSharding
 from pathways_nb.proxy.dispatch import DEFERRED, handles
@@ -282,8 +282,7 @@ def make_error_arrays(session, request, op_id):
     """Arrays that hold an error the client made; using them raises it."""
     if not 1 <= request.error.code <= 16:
         raise InvalidRequest(f"an error array needs an error status (code 1-16), not code {request.error.code}")
-    error = RequestError(request.error.message or "error array")
-    error.code = request.error.code
+    error = error_for(request.error.code, request.error.message or "error array")
     if request.array_handles and len(request.array_handles) != len(request.array_specs):
         raise InvalidRequest(f"{len(request.array_handles)} handles for {len(request.array_specs)} error arrays")
     handles_out = []

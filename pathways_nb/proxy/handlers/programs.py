@@ -10,7 +10,7 @@ from pathways_nb.core.dataflow import ArrayRecord, Pending, when_all
 from pathways_nb.core.events import event
 from pathways_nb.core.runtime_api import ArgumentFacts, ProgramInfo, check_arguments
 from pathways_nb.protocol import attributes, dtypes
-from pathways_nb.protocol.errors import DataLoss, InvalidRequest, Unimplemented
+from pathways_nb.protocol.errors import Code, DataLoss, InvalidRequest, Unimplemented
 from pathways_nb.proxy import nonxla_programs
 from pathways_nb.proxy.context import CompileCache
 from pathways_nb.proxy.dispatch import DEFERRED, handles
@@ -228,7 +228,7 @@ def _fill_layouts(response, which: str, minor_to_majors, avals) -> None:
     """
     if any(aval.is_token for aval in avals):
         error = getattr(response, f"{which}_layouts_error")
-        error.code = 12  # UNIMPLEMENTED
+        error.code = Code.UNIMPLEMENTED
         error.message = f"XLA lays out no program with token {which}s"
         return
     layouts = getattr(response, f"{which}_layouts_list")
@@ -357,7 +357,7 @@ def cost_analysis(session, request, op_id):
     loaded = session.program(request.loaded_executable_handle)
     response = session.messages.proxy.LoadedExecutableCostAnalysisResponse()
     if isinstance(loaded, NonXlaProgram):
-        response.status.code = 12
+        response.status.code = Code.UNIMPLEMENTED
         response.status.message = f"a {loaded.parsed.kind} program has no cost analysis"
         return response
     program = loaded.program
@@ -367,7 +367,7 @@ def cost_analysis(session, request, op_id):
             attributes.fill(response.attributes, costs)
             response.attributes.SetInParent()
         else:
-            response.status.code = 12
+            response.status.code = Code.UNIMPLEMENTED
             response.status.message = f"cost analysis is unavailable for this program: {error.message}"
         session.reply(op_id, "loaded_executable_cost_analysis_response", response)
 
