@@ -14,8 +14,7 @@ import time
 from collections.abc import Sequence
 
 from pathways_nb._version import __version__
-from pathways_nb.core import security
-from pathways_nb.core.keepalive import ONE_MACHINE_WORKER_TIMEOUT_S
+from pathways_nb.core import security, tuning
 
 
 def _serve_proxy(args: argparse.Namespace) -> int:
@@ -393,7 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--worker_timeout",
         type=float,
-        default=ONE_MACHINE_WORKER_TIMEOUT_S,
+        default=tuning.ONE_MACHINE_WORKER_TIMEOUT_S.value,
         help="seconds within which a worker that stopped answering is found dead (longer than the resource "
         "manager's 3 s: processes that share a machine's cores can stall for seconds when it is busy)",
     )

@@ -23,14 +23,13 @@ import psutil
 import pytest
 
 from pathways_nb.client.observe import Observer
-from pathways_nb.core import shared_memory
+from pathways_nb.core import shared_memory, tuning
 from pathways_nb.core.convert import array_meta
 from pathways_nb.core.events import EventLog
 from pathways_nb.launch.local_cluster import LocalCluster
 from pathways_nb.protocol import dtypes
 from pathways_nb.protocol.errors import RequestError
 from pathways_nb.protocol.shardings import IfrtSharding
-from pathways_nb.proxy import cluster_session
 from pathways_nb.proxy.cluster_runtime import ClusterRuntime
 from pathways_nb.proxy.worker_link import WorkerLost
 from pathways_nb.rpc import cluster_pb2 as pb
@@ -131,7 +130,7 @@ def test_proxy_moves_bytes_the_clusters_way(proxy, cluster, dtype):
     device = session.device_ids[0]
     link = _link(session, device)
     before = link.moved.copy()
-    big = np.random.default_rng(1).random(shared_memory.MIN_BYTES + 17).astype(dtype)
+    big = np.random.default_rng(1).random(tuning.SHARED_MEMORY_MIN_BYTES.value + 17).astype(dtype)
     small = np.arange(5, dtype=dtype)
     for host in (big, small, big[:0]):
         back = session.to_host(session.put(host, IfrtSharding((device,))))
@@ -314,9 +313,19 @@ def test_an_array_pushed_before_its_session_opens_waits_for_the_session(cluster)
     stream.cancel()
 
 
-def test_a_broken_stream_to_a_healthy_worker_is_opened_again(proxy, cluster, monkeypatch):
+def test_a_broken_stream_to_a_healthy_worker_is_opened_again(proxy, cluster):
     """A stream can break while its worker lives on (here: cancelled under the link); the session is not cut off."""
-    monkeypatch.setattr(cluster_session, "RELINK_AFTER_S", 60.0)  # (no new stream while the test looks)
+    with tuning.RELINK_AFTER_S.overridden(60.0):  # (no new stream while the test looks)
+        broken = _check_broken_stream_refused(proxy)
+    # Once RELINK_AFTER_S has passed with the worker still healthy, the next use opens a new stream.
+    with tuning.RELINK_AFTER_S.overridden(0.0):
+        fresh = _link(proxy, 0)
+    assert fresh is not broken and fresh.result(fresh.request(pb.Command(wait=pb.Wait()), "wait")).done
+    assert proxy.to_host(proxy.put(np.arange(3, dtype=np.float32), IfrtSharding((0,)))).tolist() == [0, 1, 2]
+
+
+def _check_broken_stream_refused(proxy):
+    """Breaks the session's stream to island 0's worker; new work on it fails with the break's error."""
     broken = _link(proxy, 0)
     kept = proxy.put(np.arange(3, dtype=np.float32), IfrtSharding((0,)))
     proxy.cluster.loop.call_soon_threadsafe(lambda: broken._call.cancel())  # (after the stream opened)
@@ -326,10 +335,6 @@ def test_a_broken_stream_to_a_healthy_worker_is_opened_again(proxy, cluster, mon
         time.sleep(0.01)
     with pytest.raises(WorkerLost):  # at first, new work fails with the break's error
         _link(proxy, 0)
-    # Once RELINK_AFTER_S has passed with the worker still healthy, the next use opens a new stream.
-    monkeypatch.setattr(cluster_session, "RELINK_AFTER_S", 0.0)
-    fresh = _link(proxy, 0)
-    assert fresh is not broken and fresh.result(fresh.request(pb.Command(wait=pb.Wait()), "wait")).done
-    assert proxy.to_host(proxy.put(np.arange(3, dtype=np.float32), IfrtSharding((0,)))).tolist() == [0, 1, 2]
     with pytest.raises(RequestError):  # what the broken stream held is lost with it
         proxy.to_host(kept)
+    return broken

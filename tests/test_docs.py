@@ -28,6 +28,7 @@ import tomllib
 
 import pathways_nb
 from pathways_nb import cli, errors
+from pathways_nb.core import tuning
 from pathways_nb.notebook import magics
 from pathways_nb.proxy import versions
 from pathways_nb.testing import KernelSession
@@ -290,6 +291,9 @@ def _environment_variables() -> dict[str, set[str]]:
                     imported[alias.asname or alias.name] = (
                         (submodule, None) if submodule in trees else (node.module, alias.name)
                     )
+        if module == "pathways_nb.core.tuning":  # its variables come from its registry (checked below)
+            found.update((setting.env_var, {module}) for setting in tuning.SETTINGS.values())
+            continue
         for key in _variable_keys(tree):
             name = None
             if isinstance(key, ast.Constant) and isinstance(key.value, str):
@@ -322,6 +326,14 @@ def test_every_environment_variable_the_code_reads_is_in_the_api_table():
     assert not missing, f"environment variables missing from docs/api.md's table (add a row, or a reason): {missing}"
     stale = set(UNDOCUMENTED_VARIABLES) - set(read)
     assert not stale, f"UNDOCUMENTED_VARIABLES names variables the code no longer reads: {stale}"
+
+
+def test_every_tuning_setting_is_in_the_api_table_with_its_default():
+    table = (DOCS / "api.md").read_text().split("## Tuning", 1)[1]
+    rows = re.findall(r"^\| `([A-Z0-9_]+)` \| `([a-z0-9_]+)` \| `([^`]*)` \|", table, flags=re.MULTILINE)
+    documented = {name: (variable, default) for variable, name, default in rows}
+    registry = {s.name: (s.env_var, str(s.default)) for s in tuning.SETTINGS.values()}
+    assert documented == registry, "docs/api.md's Tuning table and pathways_nb.core.tuning differ"
 
 
 # -- versions: what the docs claim comes from the constants the code uses ----------------------

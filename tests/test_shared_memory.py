@@ -20,13 +20,13 @@ import pytest
 
 from pathways_nb import testing
 from pathways_nb.client import jax_plugin
-from pathways_nb.core import session_options, shared_memory
+from pathways_nb.core import session_options, shared_memory, tuning
 from pathways_nb.launch.processes import ChildServer
 from pathways_nb.protocol import attributes, dtypes, shardings
 
 MIB = 1 << 20
 HOST_LIMIT = 32 * MIB
-THRESHOLD = jax_plugin.SHARED_MEMORY_THRESHOLD_BYTES
+THRESHOLD = tuning.CLIENT_SHARED_MEMORY_BYTES.value
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ pathways_nb.connect(sys.argv[1])
 directory = os.environ.get(jax_plugin.DIRECTORY_ENV)
 devices = jax.devices("proxy")
 rng = np.random.default_rng(0)
-threshold = jax_plugin.SHARED_MEMORY_THRESHOLD_BYTES
+threshold = tuning.CLIENT_SHARED_MEMORY_BYTES.value
 checked = []
 cases = [
     (np.float32, (threshold // 4,)),  # exactly the threshold

@@ -16,23 +16,17 @@ from __future__ import annotations
 import os
 import sys
 
+from pathways_nb.core import tuning
+
 PLATFORM = "proxy"
 # Same variable as Google's pathwaysutils, so settings carry over.
 TIMEOUT_ENV = "PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS"
 INSECURE_ENV = "IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS"
-DEFAULT_TIMEOUT_S = 60.0
 # The stock client's large-transfer mode: buffers of THRESHOLD bytes and up are written to
 # DIRECTORY/lt_<handle> and the server reads them from there (HostBufferReadFromDisk).
 THRESHOLD_ENV = "IFRT_PROXY_GRPC_LARGE_TRANSFER_OPTIMIZATION_THRESHOLD_BYTES"
 DIRECTORY_ENV = "IFRT_PROXY_GRPC_LARGE_TRANSFER_OPTIMIZATION_DIRECTORY"
-# Smaller buffers stay on gRPC, where a file costs more than the stream saves (a device_put, measured
-# on 2 loaded cores: 64 KiB 3.5 ms through a file, 2-3 ms over gRPC; 1 MiB 4.5 ms and 5.9 ms).
-SHARED_MEMORY_THRESHOLD_BYTES = 1 << 20
 _SHARED_PURPOSE = "ifrt"
-# How long the probe for the server's host may take: a proxy on this host answers in 3-20 ms
-# (measured), one that is not ours at once (UNIMPLEMENTED); only a server that never answers costs
-# this, and the process then uses gRPC.
-PROBE_TIMEOUT_S = 0.5
 
 # Set by pathways_nb.connect: what this process asks of the cluster (None: the defaults).
 session_options = None
@@ -71,7 +65,7 @@ def unregister() -> None:
 def connection_timeout_s() -> float:
     value = os.environ.get(TIMEOUT_ENV)
     if not value:
-        return DEFAULT_TIMEOUT_S
+        return tuning.CONNECT_TIMEOUT_S.value
     try:
         return float(value)
     except ValueError:
@@ -99,7 +93,7 @@ def make_client():
 
     requested = session_options if session_options is not None else SessionOptions.from_environment()
     initialization_data = requested.to_initialization_data() if requested is not None else {}
-    initialization_data.update(_shared_uploads(target, min(PROBE_TIMEOUT_S, connection_timeout_s())))
+    initialization_data.update(_shared_uploads(target, min(tuning.PROBE_TIMEOUT_S.value, connection_timeout_s())))
     initialization_data.update(client_versions())
     options.initialization_data = initialization_data
     # No on_disconnect callback: the client calls it from its destructor, which at interpreter
@@ -164,7 +158,8 @@ def _shared_uploads(target: str, timeout_s: float) -> dict[str, bytes]:
             return _uploads.attributes()
         raise RuntimeError(
             f"the server at {target} is not on this host, and this process sends uploads of "
-            f"{SHARED_MEMORY_THRESHOLD_BYTES} bytes and more through shared memory, which that server cannot read "
+            f"{tuning.CLIENT_SHARED_MEMORY_BYTES.value} bytes and more through shared memory, which that server "
+            "cannot read "
             "(the IFRT client fixes this at a process's first connection). Connect from a new process (restart "
             f"the kernel), or set {shared_memory.ENABLE_ENV}=0 before the first connection"
         )
@@ -184,7 +179,7 @@ def _shared_uploads(target: str, timeout_s: float) -> dict[str, bytes]:
     except OSError:
         return {}
     os.environ[DIRECTORY_ENV] = str(_uploads.directory.path)
-    os.environ[THRESHOLD_ENV] = str(SHARED_MEMORY_THRESHOLD_BYTES)
+    os.environ[THRESHOLD_ENV] = str(tuning.CLIENT_SHARED_MEMORY_BYTES.value)
     return _uploads.attributes()
 
 

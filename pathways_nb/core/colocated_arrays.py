@@ -17,13 +17,12 @@ from pathlib import Path
 
 import numpy as np
 
+from pathways_nb.core import tuning
 from pathways_nb.protocol import dtypes
 from pathways_nb.protocol.errors import InvalidRequest
 from pathways_nb.rpc import cluster_pb2 as pb
 
 STRING_KIND = 99  # xla.ifrt.DTypeProto.Kind kString
-# Below this a shard rides in the message: a file costs more than the bytes.
-MIN_FILE_BYTES = 64 << 10
 _names = itertools.count()
 
 
@@ -51,7 +50,7 @@ def encode(device_id: int, host: np.ndarray, directory: Path | None, owner: int 
         shard.strings.values.extend(str(value) for value in host.reshape(-1))
         return shard
     data = memoryview(np.ascontiguousarray(host).reshape(-1).view(np.uint8))
-    if directory is None or data.nbytes < MIN_FILE_BYTES:
+    if directory is None or data.nbytes < tuning.SHARED_MEMORY_MIN_BYTES.value:
         shard.bytes = data.tobytes()
         return shard
     name = f"shard-{os.getpid()}-{next(_names)}"

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pathways_nb.core import tuning
+
 
 @dataclass(frozen=True)
 class Liveness:
@@ -49,25 +51,18 @@ class Liveness:
             ("grpc.keepalive_timeout_ms", _ms(self.ping_timeout_s)),
             # Keep pinging a quiet connection (the default stops after two pings without data).
             ("grpc.http2.max_pings_without_data", 0),
-            # Callers ping every CLIENT_PING_INTERVAL_S: never refuse it (a refusal closes the stream, and
+            # Callers ping every tuning.CLIENT_PING_INTERVAL_S: never refuse it (a refusal closes the stream, and
             # on a loaded machine two pings may arrive closer together than they were sent).
             ("grpc.http2.max_ping_strikes", 0),
         ]
 
 
-# The worker time-out of a cluster on one machine (``LocalCluster``, ``pathways-nb up``), where the resource
-# manager's own default is 3 s. There a launcher sees every process that dies at once, so the keepalive
-# only finds a stopped one; and all processes share the same cores: on a busy 2-core machine a live
-# worker's threads went unscheduled for up to 6 s, and with 3 s it was called dead (docs/design.md).
-ONE_MACHINE_WORKER_TIMEOUT_S = 10.0
-
-# A worker's pings to the resource manager: one that vanished is noticed within 10 s (two of these).
-CLIENT_PING_INTERVAL_S = 5.0
-
-
-def client_options(ping_interval_s: float = CLIENT_PING_INTERVAL_S) -> list[tuple[str, int]]:
+def client_options(ping_interval_s: float | None = None) -> list[tuple[str, int]]:
     """Options of a channel that pings its server while a call is open, and fails the calls of one
-    that stops answering within ``ping_interval_s``."""
+    that stops answering within ``ping_interval_s`` (default: ``tuning.CLIENT_PING_INTERVAL_S``: a
+    resource manager that vanished is noticed within two of them)."""
+    if ping_interval_s is None:
+        ping_interval_s = tuning.CLIENT_PING_INTERVAL_S.value
     return [
         ("grpc.keepalive_time_ms", _ms(ping_interval_s)),
         ("grpc.http2.ping_timeout_ms", _ms(ping_interval_s)),

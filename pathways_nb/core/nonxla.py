@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from pathways_nb.core import tuning
 from pathways_nb.core.storage import StorageRoot
 from pathways_nb.protocol import schema
 from pathways_nb.protocol.errors import InvalidRequest, RequestError, Unimplemented
@@ -45,8 +46,6 @@ CUSTOM_CALL = "custom_call"
 # IFRT program type names (``request.program.type_name`` of a compile) -> our kinds.
 PROGRAM_TYPES = {"xla::ifrt::PluginProgram": PLUGIN, "xla::ifrt::CustomCallProgram": CUSTOM_CALL}
 PLUGIN_PREFIX = b"__serialized_plugin_program "
-# A plugin program's text is a request, not data: larger ones are refused before they are parsed.
-MAX_PROGRAM_BYTES = 4 << 20
 
 # The modules that register kinds (imported on first use, see ``kinds``).
 KIND_MODULES = ("pathways_nb.worker.profiles", "pathways_nb.worker.persistence", "pathways_nb.worker.colocated")
@@ -273,8 +272,10 @@ def parse(type_name: str, data: bytes) -> ParsedProgram:
     kind = PROGRAM_TYPES.get(type_name)
     if kind is None:
         raise Unimplemented(f"programs of type {type_name!r} are not supported")
-    if len(data) > MAX_PROGRAM_BYTES:
-        raise _refusal(kind, f"the program is {len(data)} bytes, more than the {MAX_PROGRAM_BYTES >> 20} MiB allowed")
+    limit = tuning.MAX_PROGRAM_BYTES.value
+    if len(data) > limit:
+        allowed = f"more than the {limit} allowed ({tuning.MAX_PROGRAM_BYTES.env_var})"
+        raise _refusal(kind, f"the program is {len(data)} bytes, {allowed}")
     if kind == PLUGIN:
         return _parse_plugin(data)
     return _parse_custom_call(data)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
+from pathways_nb.core import tuning
 from pathways_nb.protocol.errors import InvalidRequest
 from pathways_nb.protocol.op_sharding import plain as plain_op_sharding
 from pathways_nb.protocol.op_sharding import read as read_op_sharding
@@ -39,8 +40,6 @@ from pathways_nb.protocol.shardings import IfrtSharding
 WRITE_KEY = "bulk_persistence_write_request"
 READ_KEY = "bulk_persistence_read_request"
 
-# Orbax's default (``CloudPathwaysArrayHandler(timeout=None)``): one hour.
-DEFAULT_TIMEOUT_S = 3600.0
 # Arrays per request and dimensions per array a server takes: far above any model's, far below harm.
 MAX_ARRAYS = 1 << 16
 MAX_RANK = 64
@@ -211,7 +210,7 @@ def _sharding(value: object, device_ids: tuple[int, ...], shape: tuple[int, ...]
 def _timeout(value: object, where: str) -> float:
     """Seconds, from ``{"seconds", "nanos"}`` or a protobuf JSON duration such as ``"3600s"``."""
     if value is None:
-        return DEFAULT_TIMEOUT_S
+        return tuning.PERSISTENCE_TIMEOUT_S.value
     if isinstance(value, str):
         match = re.fullmatch(r"(\d{1,12}(?:\.\d{1,9})?)s", value)
         if match is None:

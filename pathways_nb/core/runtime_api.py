@@ -105,11 +105,6 @@ def describe_device(
     )
 
 
-# A value of at most this many bytes is read on the thread that asks, if it is already computed: cheaper
-# than a hop to a thread that waits for it, which costs a notebook's ``float(f(x))`` a good part of its time.
-READ_AT_ONCE_BYTES = 64 << 10
-
-
 def not_in_session(device_id: int, session_device_ids: Sequence[int]) -> NotFound:
     """The error for a request that names a device its session does not hold."""
     return NotFound(f"device {device_id} is not allocated to this session (devices {list(session_device_ids)})")

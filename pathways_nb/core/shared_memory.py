@@ -34,8 +34,6 @@ _LOGGER = logging.getLogger(__name__)
 ROOT_ENV = "PATHWAYS_SHM_ROOT"
 # PATHWAYS_SHARED_MEMORY=0: this process never passes bytes through shared memory (gRPC only).
 ENABLE_ENV = "PATHWAYS_SHARED_MEMORY"
-# Below this, bytes that can ride in a message already being sent cost less there than a file does.
-MIN_BYTES = 64 << 10
 _DEFAULT_PARENT = "/dev/shm"
 
 # Files kept behind the mappings ``take(..., keep=outbox)`` made, by mapping (weakly): such a file

@@ -38,7 +38,7 @@ from pathlib import Path
 import grpc
 import psutil
 
-from pathways_nb.core import shared_memory
+from pathways_nb.core import shared_memory, tuning
 from pathways_nb.core.aio_server import BackgroundServer
 from pathways_nb.core.security import ClusterCredentials
 from pathways_nb.launch.processes import exit_description
@@ -48,14 +48,9 @@ from pathways_nb.rpc import cluster_pb2_grpc
 _LOGGER = logging.getLogger(__name__)
 
 SERVICE_NAME = "pathways_nb.v1.ColocatedHost"
-# How long a new executor may take to serve (it imports jax) before it counts as failed.
-START_TIMEOUT_S = 120.0
-# How long a stopping executor gets between SIGTERM and SIGKILL.
-STOP_GRACE_S = 5.0
 # Executors' users: uids (and gids) from here on, one per executor while it runs.
 DEFAULT_UID_BASE = 1_500_000_000
 UID_RANGE = 1 << 24
-LOG_TAIL_LINES = 20
 
 
 @dataclass(frozen=True)
@@ -181,7 +176,7 @@ class _Executor:
             lines = self.log_path.read_text(errors="replace").splitlines()
         except OSError:
             return ""
-        return "\n".join(lines[-LOG_TAIL_LINES:])
+        return "\n".join(lines[-tuning.EXECUTOR_LOG_TAIL_LINES.value :])
 
 
 class ColocatedHostService(cluster_pb2_grpc.ColocatedHostServicer):
@@ -281,7 +276,7 @@ class ColocatedHostService(cluster_pb2_grpc.ColocatedHostServicer):
         if process.returncode is None:
             process.terminate()
             try:
-                await asyncio.wait_for(process.wait(), STOP_GRACE_S)
+                await asyncio.wait_for(process.wait(), tuning.EXECUTOR_STOP_GRACE_S.value)
             except asyncio.TimeoutError:
                 process.kill()
                 await process.wait()
@@ -314,7 +309,7 @@ async def _ready(read: int) -> bool:
 
     loop.add_reader(read, readable)
     try:
-        return bool(await asyncio.wait_for(line, START_TIMEOUT_S))
+        return bool(await asyncio.wait_for(line, tuning.EXECUTOR_START_TIMEOUT_S.value))
     except asyncio.TimeoutError:
         return False
     finally:

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from pathways_nb.core.keepalive import ONE_MACHINE_WORKER_TIMEOUT_S, Liveness
+from pathways_nb.core import tuning
+from pathways_nb.core.keepalive import Liveness
 from pathways_nb.core.security import ClusterCredentials, generate_token
 from pathways_nb.launch.processes import ChildServer, Status
 from pathways_nb.launch.supervisor import ChildExit, Supervisor
@@ -74,7 +75,7 @@ class LocalCluster:
         colocated_python: bool = False,
         colocated_python_executable: str | None = None,
         storage_root: str | os.PathLike[str] | None = None,
-        worker_timeout_s: float = ONE_MACHINE_WORKER_TIMEOUT_S,
+        worker_timeout_s: float = tuning.ONE_MACHINE_WORKER_TIMEOUT_S.value,
     ):
         """``storage_root``: where the workers and the proxy write profiles and checkpoints
         (``pathways_nb.core.storage``); default ``storage/`` in the cluster's own directory, which is

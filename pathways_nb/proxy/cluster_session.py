@@ -22,12 +22,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pathways_nb.core import nonxla, string_arrays
+from pathways_nb.core import nonxla, string_arrays, tuning
 from pathways_nb.core.convert import array_meta, status_of
 from pathways_nb.core.dataflow import Pending, fulfil
 from pathways_nb.core.events import EventSink
 from pathways_nb.core.runtime_api import (
-    READ_AT_ONCE_BYTES,
     DeviceDescription,
     check_assemble_parts,
     check_sharding,
@@ -57,10 +56,6 @@ if TYPE_CHECKING:
     from pathways_nb.proxy.lease import Lease
 
 _LOGGER = logging.getLogger(__name__)
-
-# How long after its stream to a worker broke a session opens a new one, if the cluster still finds
-# that worker healthy (a dead worker is reported well within this; see ``ClusterSession._link``).
-RELINK_AFTER_S = 5.0
 
 
 class ClusterSession:
@@ -169,7 +164,7 @@ class ClusterSession:
 
         A stream that broke to the worker's current process keeps failing new work with its
         error, until the cluster says that process is gone (then the next one gets a new stream),
-        or, if the cluster still finds it healthy ``RELINK_AFTER_S`` later, the break was the
+        or, if the cluster still finds it healthy ``tuning.RELINK_AFTER_S`` later, the break was the
         stream's alone, and a new one is opened: the arrays of the old one are lost either way.
         """
         device = self._current(device)
@@ -178,7 +173,7 @@ class ClusterSession:
             if link is not None and (link.alive or link.incarnation == device.incarnation):
                 if link.alive:
                     return link
-                if not (self._healthy(device) and link.lost_for_s() > RELINK_AFTER_S):
+                if not (self._healthy(device) and link.lost_for_s() > tuning.RELINK_AFTER_S.value):
                     link.send(pb.Command())  # raises the WorkerLost error that ended it
             if not device.healthy:
                 raise self.cluster.down(device)
@@ -412,7 +407,7 @@ class ClusterSession:
         """A small array of one worker is fetched without waiting (its reply delivers it); others on ``wait_pool``."""
         read = Pending()
         numeric = isinstance(value, RemoteArray) and value.kind != dtypes.STRING_KIND
-        if not (numeric and value.nbytes <= READ_AT_ONCE_BYTES):
+        if not (numeric and value.nbytes <= tuning.READ_AT_ONCE_BYTES.value):
             wait_pool.submit(fulfil, read, lambda: self.to_host(value))
             return read
         dtype = dtypes.to_numpy(value.kind)
@@ -644,9 +639,7 @@ def _fail_if_not_sent(reply: Future, source: WorkerLink, target: WorkerLink, arr
     failure = as_request_error(error)
     message = f"an array sent from {source.describe()} did not arrive: {failure.message}"
     try:
-        target.send(
-            pb.Command(expect=pb.Expect(id=array_id, meta=meta, error=status_of(failure, message)))
-        )
+        target.send(pb.Command(expect=pb.Expect(id=array_id, meta=meta, error=status_of(failure, message))))
     except RequestError:
         pass  # the target is gone too: its own loss fails the array
 

@@ -12,10 +12,10 @@ import socket
 from collections.abc import Sequence
 from concurrent.futures import Executor
 
-from pathways_nb.core import nonxla
+from pathways_nb.core import nonxla, tuning
 from pathways_nb.core.dataflow import Pending, fulfil
 from pathways_nb.core.events import EventSink
-from pathways_nb.core.runtime_api import READ_AT_ONCE_BYTES, check_sharding, not_in_session
+from pathways_nb.core.runtime_api import check_sharding, not_in_session
 from pathways_nb.core.storage import StorageRoot, default_root
 from pathways_nb.protocol.shardings import IfrtSharding
 from pathways_nb.rpc import cluster_pb2 as pb
@@ -124,7 +124,8 @@ class LocalSession:
     def to_host_later(self, value, wait_pool: Executor) -> Pending:
         """The value on the host: read at once if it is computed and small, else on ``wait_pool`` (it waits)."""
         read = Pending()
-        if value.nbytes <= READ_AT_ONCE_BYTES and value.is_ready():  # (a string array is a host value: ready)
+        # (A string array is a host value: ready.)
+        if value.nbytes <= tuning.READ_AT_ONCE_BYTES.value and value.is_ready():
             fulfil(read, lambda: self.runtime.to_host(value))
         else:
             wait_pool.submit(fulfil, read, lambda: self.runtime.to_host(value))

@@ -15,15 +15,12 @@ import logging
 import threading
 from dataclasses import dataclass
 
-from pathways_nb.core import nonxla, session_options
+from pathways_nb.core import nonxla, session_options, tuning
 from pathways_nb.core.dataflow import ArrayRecord, Pending
 from pathways_nb.protocol.errors import Code, InvalidRequest, RequestError, as_request_error
 from pathways_nb.proxy.dispatch import DEFERRED
 
 _LOGGER = logging.getLogger(__name__)
-
-# How long an execution waits for the session's earlier work on its devices before it runs anyway.
-_EARLIER_WORK_WAIT_S = 600.0
 
 
 @dataclass
@@ -221,7 +218,7 @@ def _wait_for(records: list[ArrayRecord]) -> None:
     for record in records:
         arrived = threading.Event()
         record.pending.on_done(lambda _value, _error, e=arrived: e.set())
-        arrived.wait(_EARLIER_WORK_WAIT_S)
+        arrived.wait(tuning.EARLIER_WORK_WAIT_S.value)
         value = record.value
         if value is not None and not record.is_deleted:
             try:

@@ -7,7 +7,7 @@ import asyncio
 import grpc
 
 from pathways_nb._version import __version__
-from pathways_nb.core import session_options
+from pathways_nb.core import session_options, tuning
 from pathways_nb.core.host_profiler import XPLANE_SUFFIX, check_session_name, session_location
 from pathways_nb.protocol.errors import RequestError
 from pathways_nb.proxy.context import ProxyContext
@@ -16,11 +16,6 @@ from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
 
 SERVICE_NAME = "pathways_nb.v1.Observe"
-
-# How often event watchers look for new events: live views stay live, and cost little.
-WATCH_INTERVAL_S = 0.2
-# Profile files go back in chunks of this size.
-PROFILE_CHUNK_BYTES = 1 << 20
 
 
 class ObserveService(cluster_pb2_grpc.ObserveServicer):
@@ -53,7 +48,7 @@ class ObserveService(cluster_pb2_grpc.ObserveServicer):
                 events, after = log.after(after, request.tenant)
                 if events:
                     yield pb.EventBatch(events=events)
-            await asyncio.sleep(WATCH_INTERVAL_S)
+            await asyncio.sleep(tuning.OBSERVE_WATCH_INTERVAL_S.value)
 
     async def GetEvents(self, request, context):
         events, _latest = self.context.events.after(request.after, request.tenant)
@@ -78,9 +73,10 @@ class ObserveService(cluster_pb2_grpc.ObserveServicer):
             )
         for path in files:
             data = await asyncio.to_thread(path.read_bytes)
-            yield pb.ProfileFileChunk(name=path.name, size=len(data), data=data[:PROFILE_CHUNK_BYTES])
-            for start in range(PROFILE_CHUNK_BYTES, len(data), PROFILE_CHUNK_BYTES):
-                yield pb.ProfileFileChunk(data=data[start : start + PROFILE_CHUNK_BYTES])
+            chunk = tuning.MESSAGE_CHUNK_BYTES.value
+            yield pb.ProfileFileChunk(name=path.name, size=len(data), data=data[:chunk])
+            for start in range(chunk, len(data), chunk):
+                yield pb.ProfileFileChunk(data=data[start : start + chunk])
 
     async def GetClusterState(self, request, context):
         try:

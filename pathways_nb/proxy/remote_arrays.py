@@ -11,6 +11,7 @@ import math
 import time
 from collections.abc import Sequence
 
+from pathways_nb.core import tuning
 from pathways_nb.protocol import dtypes
 from pathways_nb.protocol.errors import RequestError
 from pathways_nb.protocol.shardings import IfrtSharding
@@ -89,11 +90,6 @@ class ShardedRemoteArray(PartedArray):
     __slots__ = ()
 
 
-# How long a failed read of a multi-host array waits to learn that one of its hosts is gone (a broken
-# link first waits up to worker_link._CAUSE_WAIT_S for the cause of the loss).
-_LOSS_WAIT_S = 2.0
-
-
 class MultiHostArray(PartedArray):
     """An array of an island of several hosts: each host holds its part of one island-wide array.
 
@@ -120,7 +116,7 @@ def explain_failure(error: RequestError, island_links: Sequence[WorkerLink]) -> 
     """
     if isinstance(error, WorkerLost) or len(island_links) < 2:
         return error
-    deadline = time.monotonic() + _LOSS_WAIT_S
+    deadline = time.monotonic() + tuning.LOSS_EXPLAIN_WAIT_S.value
     while time.monotonic() < deadline:
         lost = next((link.lost for link in island_links if link.lost is not None), None)
         if lost is not None:

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from pathways_nb.core import tuning
 from pathways_nb.core.dataflow import wait_on_loop
 from pathways_nb.protocol import attributes, data_messages, schema
 from pathways_nb.protocol.errors import DataLoss, RequestError, grpc_code
@@ -33,12 +34,6 @@ _LOGGER = logging.getLogger(__name__)
 SERVICE_NAME = "xla.ifrt.proxy.GrpcIfrtService"
 SESSION_METADATA_KEY = "ifrt-proxy-grpc-ifrt-session-metadata-bin"
 STORE_METADATA_KEY = "ifrt-proxy-grpc-host-buffer-store-metadata-bin"
-# Downloads go out in messages of at most 4 MiB. The stock client takes any size (its channels set
-# no receive limit: client/grpc_client_session.cc CreateGrpcStub) and joins the messages into one
-# buffer, so fewer messages are not fewer copies; but 4 MiB is gRPC's default receive limit, which
-# other clients keep, and messages of 32 MiB and more are fresh mappings on both sides (glibc's
-# largest mmap threshold): 64 MiB ones cost twice the CPU of 1-4 MiB ones (measured, page faults).
-LOOKUP_CHUNK_BYTES = (4 << 20) - 16  # room for the message's tag and length
 
 # Error messages in a status trailer (a download's) are cut to this length (gRPC's limit on metadata is 8 KiB).
 _TRAILER_CHARS = 4000
@@ -277,14 +272,15 @@ class IfrtProxyService:
         if data.nbytes == 0:
             yield b""
             return
-        if data.nbytes <= LOOKUP_CHUNK_BYTES:
+        chunk = tuning.MESSAGE_CHUNK_BYTES.value
+        if data.nbytes <= chunk:
             yield data_messages.encode(data)  # one message: nothing for a progress bar to show
             return
         name = f"{data.nbytes >> 20} MiB from the server"
         with self.context.activities.track("download", name, session.tenant, data.nbytes) as progress:
-            for start in range(0, data.nbytes, LOOKUP_CHUNK_BYTES):
-                yield data_messages.encode(data[start : start + LOOKUP_CHUNK_BYTES])
-                progress.bytes_done = min(start + LOOKUP_CHUNK_BYTES, data.nbytes)
+            for start in range(0, data.nbytes, chunk):
+                yield data_messages.encode(data[start : start + chunk])
+                progress.bytes_done = min(start + chunk, data.nbytes)
 
     async def HostBufferDelete(self, request, context):
         session = await self._session(request.session_id, context)

@@ -32,7 +32,7 @@ from concurrent.futures import Future
 
 import grpc
 
-from pathways_nb.core import shared_memory
+from pathways_nb.core import shared_memory, tuning
 from pathways_nb.core.aio_server import SERVER_OPTIONS
 from pathways_nb.core.convert import error_of
 from pathways_nb.core.security import ClusterCredentials
@@ -42,17 +42,10 @@ from pathways_nb.rpc import cluster_pb2_grpc
 
 _LOGGER = logging.getLogger(__name__)
 
-# How long a broken stream waits for the cluster to say why its worker went down (a launcher
-# reports a dead process within milliseconds; a vanished host takes seconds and is not waited for).
-_CAUSE_WAIT_S = 0.5
-# Array bytes per message on the stream.
-CHUNK_BYTES = 4 << 20
 # Each stream gets a connection of its own: with gRPC's shared pool, a new stream to a worker that
 # just restarted on its old port inherits the failed connection's back-off (anyone who dialed the
 # port while it was down) and fails at once, and the session could never reach that worker again.
 LINK_OPTIONS = [*SERVER_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
-# Forgotten arrays wait at most this long for a command to go with (see ``WorkerLink.forget``).
-FORGET_DELAY_S = 0.02
 # The proxy's files for workers on its host.
 OUTBOX = shared_memory.Outbox("proxy")
 
@@ -98,8 +91,8 @@ class WorkerLink:
         self._pending: list[pb.Command] = []
         self._forgotten: collections.deque[int] = collections.deque()
         self._wake_queued = False  # a wake-up of the writer is on its way (no second one is needed)
-        self._forget_wake_queued = False  # forgotten ids wait for the next batch, or FORGET_DELAY_S
-        self._forget_due = False  # FORGET_DELAY_S passed: they go even with no command
+        self._forget_wake_queued = False  # forgotten ids wait for the next batch, or tuning.FORGET_DELAY_S
+        self._forget_due = False  # tuning.FORGET_DELAY_S passed: they go even with no command
         self._closed = False
         self._error: RequestError | None = None
         self._lost_at = 0.0
@@ -146,7 +139,7 @@ class WorkerLink:
 
     def put(self, array_id: int, meta: pb.ArrayMeta, data: memoryview) -> None:
         """Uploads row-major bytes as array ``array_id``: one file through shared memory, else in chunks."""
-        if self.shared_memory and data.nbytes >= shared_memory.MIN_BYTES:
+        if self.shared_memory and data.nbytes >= tuning.SHARED_MEMORY_MIN_BYTES.value:
             # A client's upload the proxy kept as a file goes on as that file: no copy here.
             path = OUTBOX.hand_over(self._file_prefix, data) or OUTBOX.write(self._file_prefix, data)
             if path is not None:
@@ -158,8 +151,9 @@ class WorkerLink:
                     raise
                 self._count("shared memory", data.nbytes)
                 return
-        for start in range(0, max(data.nbytes, 1), CHUNK_BYTES):
-            end = min(start + CHUNK_BYTES, data.nbytes)
+        chunk = tuning.MESSAGE_CHUNK_BYTES.value
+        for start in range(0, max(data.nbytes, 1), chunk):
+            end = min(start + chunk, data.nbytes)
             put = pb.Put(id=array_id, meta=meta, data=data[start:end].tobytes(), more=end < data.nbytes)
             self.send(pb.Command(put=put))
         self._count("gRPC", data.nbytes)
@@ -171,7 +165,7 @@ class WorkerLink:
     def fetch(self, array_id: int) -> memoryview | bytearray:
         """The row-major bytes of array ``array_id`` (waits for them); over gRPC if shared memory fails.
 
-        The worker decides: a small array comes in the reply (``shared_memory.MIN_BYTES``).
+        The worker decides: a small array comes in the reply (``tuning.SHARED_MEMORY_MIN_BYTES``).
         """
         received = None
         if self.shared_memory:
@@ -189,7 +183,7 @@ class WorkerLink:
     def fetch_in_reply(self, array_id: int) -> Future:
         """Asks for the bytes of array ``array_id`` in the reply itself, without waiting for them.
 
-        For small arrays (the worker never answers under ``shared_memory.MIN_BYTES`` with a file): the
+        For small arrays (the worker never answers under ``tuning.SHARED_MEMORY_MIN_BYTES`` with a file): the
         future gets the list of the reply's byte chunks, on the link's loop.
         """
         return self.request(pb.Command(fetch=pb.Fetch(id=array_id)), "fetch", collect_bytes=True)
@@ -232,10 +226,10 @@ class WorkerLink:
             schedule = not self._forget_wake_queued
             self._forget_wake_queued = True
         if schedule:
-            self._on_loop(lambda: self._loop.call_later(FORGET_DELAY_S, self._wake_for_forgotten))
+            self._on_loop(lambda: self._loop.call_later(tuning.FORGET_DELAY_S.value, self._wake_for_forgotten))
 
     def _wake_for_forgotten(self) -> None:
-        """No command took the forgotten ids along within ``FORGET_DELAY_S``: they go alone."""
+        """No command took the forgotten ids along within ``tuning.FORGET_DELAY_S``: they go alone."""
         with self._lock:
             self._forget_due = self._forget_wake_queued
             wake = self._forget_due and self._queue_wake()
@@ -366,7 +360,7 @@ class WorkerLink:
 
     async def _cause_of_loss(self, detail: str) -> str:
         """``detail``, or the cluster's reason for the loss if it arrives within a moment of the broken stream."""
-        deadline = time.monotonic() + _CAUSE_WAIT_S
+        deadline = time.monotonic() + tuning.LOSS_CAUSE_WAIT_S.value
         while self._cause is not None:
             cause = self._cause()
             if cause:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from pathways_nb.core import host_profiler
+from pathways_nb.core import host_profiler, tuning
 from pathways_nb.core.keepalive import Liveness
 from pathways_nb.protocol.errors import RequestError, as_request_error, grpc_code
 from pathways_nb.rm.allocator import Allocator, Unsatisfiable
@@ -34,9 +34,6 @@ from pathways_nb.rpc import cluster_pb2_grpc
 _LOGGER = logging.getLogger(__name__)
 
 SERVICE_NAME = "pathways_nb.v1.ResourceManager"
-
-# The shortest interval between two load reports of a worker; longer in big clusters.
-MIN_UPDATE_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -141,7 +138,7 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
         """How often an attached worker may report its load: once a second, less in big clusters, so that
         all of them together send at most ``max_load_reports_per_s`` (each costs this loop ~0.2-0.4 ms;
         liveness does not depend on them)."""
-        return max(MIN_UPDATE_INTERVAL_S, len(self.registry.workers) / self.max_load_reports_per_s)
+        return max(tuning.LOAD_REPORT_INTERVAL_S.value, len(self.registry.workers) / self.max_load_reports_per_s)
 
     def _grant(self) -> None:
         if self.allocator.queue and self.allocator.grant(self.registry):

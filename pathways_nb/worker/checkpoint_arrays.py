@@ -8,7 +8,7 @@ Orbax wrote, also with OCDBT or zarr3.
 
 Memory stays bounded on the host: a shard goes to storage one chunk at a time, from a view of
 the device buffer where the device is the host's own memory (CPU), and reads fetch one shard's
-region at a time, so a host never stages a whole array, and holds at most ``IN_FLIGHT_BYTES`` of
+region at a time, so a host never stages a whole array, and holds at most ``tuning.CHECKPOINT_IN_FLIGHT_BYTES`` of
 chunks (or one chunk, if larger) on their way.
 """
 
@@ -22,14 +22,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pathways_nb.core import tuning
 from pathways_nb.protocol.errors import DeadlineExceeded, NotFound, RequestError, as_request_error, error_for
 
 # Orbax's defaults for zarr v2 (``tensorstore_utils._build_zarr2_metadata``).
 ZARR_COMPRESSOR = {"id": "zstd", "level": 1}
-# A shard larger than this is stored as several chunks (Orbax's ``chunk_byte_size`` does the same),
-# which bounds what one write holds in memory and lets TensorStore compress chunks in parallel.
-MAX_CHUNK_BYTES = 64 << 20
-IN_FLIGHT_BYTES = 256 << 20
 OCDBT_MANIFEST = "manifest.ocdbt"
 
 
@@ -77,9 +74,9 @@ def join(location: str, name: str) -> str:
 
 
 def chunk_shape(shard_shape: Sequence[int], itemsize: int) -> tuple[int, ...]:
-    """One chunk per shard, halved along its largest even dimension while above ``MAX_CHUNK_BYTES``."""
+    """One chunk per shard, halved along its largest even dimension while too large (``CHECKPOINT_MAX_CHUNK_BYTES``)."""
     chunks = [max(d, 1) for d in shard_shape]
-    while math.prod(chunks) * itemsize > MAX_CHUNK_BYTES:
+    while math.prod(chunks) * itemsize > tuning.CHECKPOINT_MAX_CHUNK_BYTES.value:
         even = [i for i, d in enumerate(chunks) if d % 2 == 0]
         if not even:
             break
@@ -136,7 +133,7 @@ def _product(ranges: Sequence[range]) -> Iterator[tuple[int, ...]]:
 def write_region(store, region: tuple[slice, ...], host_chunk: Callable[[tuple[slice, ...]], np.ndarray], deadline):
     """Writes ``region`` of ``store`` chunk by chunk, ``host_chunk(r)`` giving each chunk's values.
 
-    At most ``IN_FLIGHT_BYTES`` (or one chunk) are on their way at once; each write has
+    At most ``tuning.CHECKPOINT_IN_FLIGHT_BYTES`` (or one chunk) are on their way at once; each write has
     finished on storage when this returns.
     """
     chunks = store.chunk_layout.write_chunk.shape or ()  # none for a scalar
@@ -146,7 +143,7 @@ def write_region(store, region: tuple[slice, ...], host_chunk: Callable[[tuple[s
         values = host_chunk(piece)
         pending.append((store[piece].write(values).commit, values.nbytes))
         in_flight += values.nbytes
-        while pending and in_flight > IN_FLIGHT_BYTES:
+        while pending and in_flight > tuning.CHECKPOINT_IN_FLIGHT_BYTES.value:
             future, nbytes = pending.pop(0)
             deadline.wait(future)
             in_flight -= nbytes

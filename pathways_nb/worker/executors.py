@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from pathways_nb.core import colocated_arrays
+from pathways_nb.core import colocated_arrays, tuning
 from pathways_nb.core.convert import error_of
 from pathways_nb.core.security import ClusterCredentials
 from pathways_nb.protocol.errors import FailedPrecondition, InvalidRequest, RequestError, Unavailable
@@ -29,12 +29,10 @@ from pathways_nb.rpc import cluster_pb2_grpc
 
 _LOGGER = logging.getLogger(__name__)
 
-# How long a failed call waits for the host to say how its executor ended.
-EXIT_REPORT_WAIT_S = 10.0
-# Shards go through files; what rides in an answer is small (strings, small shards, or the bytes of a
-# shard whose file could not be written), and the worker takes no more than this from a tenant's process.
-MAX_ANSWER_BYTES = 256 << 20
-_MESSAGE_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", MAX_ANSWER_BYTES)]
+_MESSAGE_OPTIONS = [
+    ("grpc.max_send_message_length", -1),
+    ("grpc.max_receive_message_length", tuning.EXECUTOR_MAX_ANSWER_BYTES.value),
+]
 
 
 class ExecutorDied(RequestError):
@@ -190,7 +188,7 @@ class SessionExecutor:
 
     def _lost(self, running: _Running, name: str, error: grpc.RpcError) -> RequestError:
         """The error for a call whose executor stopped answering; the next call starts a new executor."""
-        running.ended.wait(EXIT_REPORT_WAIT_S)
+        running.ended.wait(tuning.EXECUTOR_EXIT_REPORT_WAIT_S.value)
         self._end(running)
         if running.exit is None:
             how = f"stopped answering ({error.code().name}: {error.details()})"

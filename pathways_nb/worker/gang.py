@@ -11,7 +11,7 @@ weight, through the island's own ``FairShare``, see
 too, dispatches step n only once steps 0..n-1 are dispatched and its own part
 of step n is ready (arguments there). Dispatch runs on one thread per island order, which never
 holds the order's lock while it runs a program, so no lock of a session is
-ever taken inside it. At most ``MAX_IN_FLIGHT`` such programs are in flight:
+ever taken inside it. At most ``tuning.GANG_MAX_IN_FLIGHT`` such programs are in flight:
 with more, XLA's CPU collectives can wait on each other's threads and never
 finish (a plain multi-process JAX loop of 2000 ``psum`` steps hangs the same
 way on jaxlib 0.10.2), so the dispatcher waits for the oldest first.
@@ -32,6 +32,7 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 
+from pathways_nb.core import tuning
 from pathways_nb.core.dataflow import Pending
 from pathways_nb.worker.share import FairShare
 
@@ -39,10 +40,6 @@ _LOGGER = logging.getLogger(__name__)
 
 # Runs this host's part of a program; returns its outputs (values with ``block_until_ready``).
 Dispatch = Callable[[], Sequence]
-
-MAX_IN_FLIGHT = 2
-# Steps a tenant alone on the island is handed out ahead of their end on every host (see ``IslandOrder``).
-ALONE_AHEAD = 4
 
 
 class Turn:
@@ -90,9 +87,9 @@ class IslandOrder:
         # Host 0: who gets the next step while several tenants saturate the island. Apart from the
         # share of the host's own devices, so that no step waits behind a one-host program that
         # waits for the step's turn, or the other way round. A tenant alone on the island gets at
-        # most ALONE_AHEAD steps ahead of their end: one that comes back (after its client stalled
+        # most GANG_ALONE_AHEAD steps ahead of their end: one that comes back (after its client stalled
         # a moment, say) waits behind that many, not behind the other's whole queue.
-        self.share = FairShare(alone_depth=ALONE_AHEAD)
+        self.share = FairShare(alone_depth=tuning.GANG_ALONE_AHEAD.value)
 
     def assign(self, key: str) -> tuple[int, Turn]:
         """Host 0: gives the program ``key`` the next step of the island; the turn is its part here."""
@@ -139,7 +136,7 @@ class IslandOrder:
         in_flight: collections.deque = collections.deque()
         while True:
             dispatch, turn = self._runnable.get()
-            while len(in_flight) >= MAX_IN_FLIGHT:
+            while len(in_flight) >= tuning.GANG_MAX_IN_FLIGHT.value:
                 _wait(in_flight.popleft())
             outputs: list = []
             try:

@@ -11,11 +11,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from pathways_nb.core import tuning
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.worker.runtime import LocalRuntime
-
-# A count may take at most this share of the worker's time.
-_MAX_SHARE = 0.01
 
 
 class LoadGauge:
@@ -40,7 +38,7 @@ class LoadGauge:
 
     def wait_s(self, interval_s: float) -> float:
         """How long to wait before the next measurement, at least ``interval_s``."""
-        return max(interval_s, self._took_s / _MAX_SHARE)
+        return max(interval_s, self._took_s / tuning.LOAD_MEASURE_SHARE.value)
 
 
 def _device_bytes(runtime: LocalRuntime) -> list[int]:

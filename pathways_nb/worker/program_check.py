@@ -30,15 +30,12 @@ import tempfile
 import threading
 import time
 
+from pathways_nb.core import tuning
 from pathways_nb.core.exit_status import exit_description
 from pathways_nb.protocol.errors import Internal, InvalidRequest
 
 _LOGGER = logging.getLogger(__name__)
 
-# How long one program may take to read before its reader is given up (and the program refused).
-CHECK_TIMEOUT_S = 120.0
-# Programs checked before, by digest (a worker or proxy sees the same few programs again and again).
-_REMEMBERED = 4096
 _LENGTH = struct.Struct("<Q")
 # The child's answers: read and converted; read, but XLA's conversion failed (its compile reports
 # that); refused, with the words that follow.
@@ -48,8 +45,8 @@ _OK, _NOT_CONVERTED, _REFUSED = b"+", b"~", b"-"
 class ProgramChecker:
     """A child process that reads programs first; one per server process, started on first use."""
 
-    def __init__(self, timeout_s: float = CHECK_TIMEOUT_S):
-        self.timeout_s = timeout_s
+    def __init__(self, timeout_s: float | None = None):
+        self.timeout_s = tuning.PROGRAM_CHECK_TIMEOUT_S.value if timeout_s is None else timeout_s
         self._lock = threading.Lock()
         self._child: subprocess.Popen | None = None
         self._stderr = None  # the child's standard error (a temporary file), read when it ends badly
@@ -73,7 +70,7 @@ class ProgramChecker:
                 refusal = self._checked[digest]
             else:
                 refusal = self._checked[digest] = self._read_in_child(program)
-                if len(self._checked) > _REMEMBERED:
+                if len(self._checked) > tuning.PROGRAM_CHECK_REMEMBERED.value:
                     self._checked.popitem(last=False)
         if refusal is not None:
             raise InvalidRequest(refusal)

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 
-from pathways_nb.core import shared_memory
+from pathways_nb.core import shared_memory, tuning
 from pathways_nb.core.aio_server import SERVER_OPTIONS
 from pathways_nb.core.dataflow import Pending, wait_on_loop
 from pathways_nb.core.nonxla import HostContext
@@ -31,23 +31,12 @@ from pathways_nb.worker.colocated import ColocatedPython
 from pathways_nb.worker.gang import IslandOrder
 from pathways_nb.worker.programs import Programs
 from pathways_nb.worker.runtime import LocalRuntime
-from pathways_nb.worker.session import CHUNK_BYTES, WorkerSession
+from pathways_nb.worker.session import WorkerSession
 from pathways_nb.worker.share import FairShare
 
 _LOGGER = logging.getLogger(__name__)
 
 SERVICE_NAME = "pathways_nb.v1.Worker"
-
-
-# Events (for timelines) are not urgent: with no reply to go with, they leave at most this long
-# after the first of them, so a busy device's programs cost one message per batch, not one each.
-_EVENTS_DELAY_S = 0.05
-# How long an array pushed by a peer waits for its session's stream from the proxy to open (the
-# proxy opens it before it asks the peer to send, but the two streams are not ordered).
-EARLY_PUSH_WAIT_S = 10.0
-# How long host 0 waits for another host to report that its part of a step has run; a step that
-# runs longer (or a host that does not answer) stops holding the island's turn after this.
-PART_REPORT_TIMEOUT_S = 30.0
 
 
 class _Replies:
@@ -88,9 +77,9 @@ class _Replies:
 
     def _wake_later(self) -> None:
         if threading.get_ident() == self._loop_thread:
-            self._loop.call_later(_EVENTS_DELAY_S, self._ready.set)
+            self._loop.call_later(tuning.EVENTS_DELAY_S.value, self._ready.set)
         else:
-            self._loop.call_soon_threadsafe(self._loop.call_later, _EVENTS_DELAY_S, self._ready.set)
+            self._loop.call_soon_threadsafe(self._loop.call_later, tuning.EVENTS_DELAY_S.value, self._ready.set)
 
     async def batches(self) -> AsyncIterator[pb.ReplyBatch]:
         while True:
@@ -233,7 +222,7 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
         opened = asyncio.get_running_loop().create_future()
         self._early_pushes.setdefault(key, []).append(opened)
         try:
-            await asyncio.wait_for(opened, EARLY_PUSH_WAIT_S)
+            await asyncio.wait_for(opened, tuning.EARLY_PUSH_WAIT_S.value)
         except asyncio.TimeoutError:
             return None
         finally:
@@ -254,8 +243,9 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
 
         def chunks():
             yield header
-            for start in range(0, data.nbytes, CHUNK_BYTES):
-                yield pb.ArrayChunk(data=data[start : start + CHUNK_BYTES].tobytes())
+            chunk = tuning.MESSAGE_CHUNK_BYTES.value
+            for start in range(0, data.nbytes, chunk):
+                yield pb.ArrayChunk(data=data[start : start + chunk].tobytes())
 
         try:
             return not self._peer(peer_address).PushArray(chunks()).not_shared
@@ -281,13 +271,13 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
         """Host 0: tells the island's other hosts the step of a multi-host program, without waiting.
 
         Returns, per host, what is done once that host's part of the step has run (or once
-        telling it failed, or took longer than ``PART_REPORT_TIMEOUT_S``: then it no longer counts).
+        telling it failed, or took longer than ``tuning.PART_REPORT_TIMEOUT_S``: then it no longer counts).
         """
         orders = pb.GangOrders(steps=[pb.GangStep(gang=gang, step=step)])
         reported = []
         for address in peers:
             ran = Pending()
-            call = self._peer(address).OrderGang.future(orders, timeout=PART_REPORT_TIMEOUT_S)
+            call = self._peer(address).OrderGang.future(orders, timeout=tuning.PART_REPORT_TIMEOUT_S.value)
             call.add_done_callback(lambda call, ran=ran, address=address: _part_reported(call, ran, address))
             reported.append(ran)
         return reported

@@ -15,12 +15,11 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from pathways_nb.core import nonxla, shared_memory
+from pathways_nb.core import nonxla, shared_memory, tuning
 from pathways_nb.core.convert import error_of, sharding_from_proto, status_of
 from pathways_nb.core.dataflow import ArrayRecord, Pending, run_after
 from pathways_nb.core.events import EventSink, event
 from pathways_nb.core.memory import release_free_memory
-from pathways_nb.core.runtime_api import READ_AT_ONCE_BYTES
 from pathways_nb.core.string_arrays import StringArray
 from pathways_nb.protocol import dtypes
 from pathways_nb.protocol.errors import InvalidRequest, NotFound, RequestError, Unavailable, as_request_error
@@ -31,9 +30,6 @@ from pathways_nb.worker.runtime import LocalRuntime
 from pathways_nb.worker.share import FairShare
 
 _LOGGER = logging.getLogger(__name__)
-
-# Replies and pushes carry at most this much array data per message.
-CHUNK_BYTES = 4 << 20
 
 
 def _take(shared: pb.SharedFile) -> memoryview:
@@ -328,7 +324,8 @@ class WorkerSession:
     def _fetch(self, command: pb.Fetch) -> None:
         record = self._record(command.id)
         value = record.value
-        if record.ready and value is not None and not record.is_deleted and value.nbytes <= READ_AT_ONCE_BYTES:
+        small = value is not None and value.nbytes <= tuning.READ_AT_ONCE_BYTES.value
+        if record.ready and small and not record.is_deleted:
             if value.is_ready():  # computed and small: answered at once, with no hop to a thread that waits
                 record.read(lambda value: self._answer_bytes(command, value))
                 return
@@ -343,7 +340,7 @@ class WorkerSession:
         if isinstance(value, StringArray):  # its contents as the client reads them (core.string_arrays)
             self._send_bytes(command.request, np.frombuffer(value.to_wire(), np.uint8))
             return
-        if command.shared_memory and self._outbox is not None and value.nbytes >= shared_memory.MIN_BYTES:
+        if command.shared_memory and self._outbox is not None and value.nbytes >= tuning.SHARED_MEMORY_MIN_BYTES.value:
             shared = self._write_shared(np.asarray(value))  # read while the record guards the value from deletion
             if shared is not None:
                 self._reply(pb.Reply(request=command.request, shared=shared))
@@ -365,8 +362,9 @@ class WorkerSession:
         data = memoryview(np.ascontiguousarray(host).reshape(-1).view(np.uint8))
         if not data.nbytes:
             self._reply(pb.Reply(request=request, data=b""))
-        for start in range(0, data.nbytes, CHUNK_BYTES):
-            end = min(start + CHUNK_BYTES, data.nbytes)
+        chunk = tuning.MESSAGE_CHUNK_BYTES.value
+        for start in range(0, data.nbytes, chunk):
+            end = min(start + chunk, data.nbytes)
             self._reply(pb.Reply(request=request, data=data[start:end].tobytes(), more=end < data.nbytes))
 
     def _wait(self, command: pb.Wait) -> None:

@@ -8,7 +8,7 @@ import time
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from pathways_nb.core import string_arrays
+from pathways_nb.core import string_arrays, tuning
 from pathways_nb.core.dataflow import ArrayRecord, Pending, fulfil, when_all
 from pathways_nb.core.events import event
 from pathways_nb.protocol import dtypes, schema, shardings
@@ -18,11 +18,6 @@ from pathways_nb.protocol.shardings import IfrtSharding
 from pathways_nb.proxy.dispatch import DEFERRED, handles
 
 ALWAYS_COPY, REUSE_INPUT, DONATE_INPUT = 1, 2, 3
-
-# Uploads of at least this many bytes are put on the devices on the wait pool, not on the event loop:
-# copying them (to a device, a shared-memory file, or gRPC chunks) would hold every other session's
-# requests for as long. Smaller ones are put at once, which costs less than the thread hop.
-OFF_LOOP_BYTES = 1 << 20
 
 
 # -- host <-> device ------------------------------------------------------------------------
@@ -202,7 +197,7 @@ def _put_when_arrived(session, record: ArrayRecord, put, nbytes: int) -> None:
         else:
             record.set(value)
 
-    if nbytes >= OFF_LOOP_BYTES:
+    if nbytes >= tuning.OFF_LOOP_BYTES.value:
         session.in_background(put, done)
         return
     with session.lock:
