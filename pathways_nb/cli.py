@@ -83,10 +83,12 @@ def _serve_resource_manager(args: argparse.Namespace) -> int:
 
 def _serve_worker(args: argparse.Namespace) -> int:
     from pathways_nb.core.storage import StorageRoot, default_root
+    from pathways_nb.launch.processes import StopRequest
     from pathways_nb.worker.island import IslandMembership
     from pathways_nb.worker.runtime import LocalRuntime
     from pathways_nb.worker.server import WorkerServer
 
+    stop = StopRequest()  # before the server starts: a worker that cannot stay in its cluster asks for it
     started = time.monotonic()
     # The collectives between hosts use the address the others reach this host at (not a wildcard).
     reachable = args.advertise_address or (None if args.host in ("0.0.0.0", "::", "[::]") else args.host)
@@ -106,12 +108,13 @@ def _serve_worker(args: argparse.Namespace) -> int:
         credentials=security.ClusterCredentials.from_args(args),
         colocated_python_host=args.colocated_python_host,
         storage=StorageRoot(args.storage_root or default_root()),
+        on_fatal=stop.fail,
     )
     message = (
         f"pathways-nb worker {server.registration.worker_id} at {server.address} with "
         f"{len(runtime.devices)} {runtime.platform} device(s) {list(server.registration.device_ids)}"
     )
-    return _serve(server, message, started, args.port_file)
+    return _serve(server, message, started, args.port_file, stop)
 
 
 def _serve_colocated_host(args: argparse.Namespace) -> int:
@@ -205,11 +208,12 @@ def _deploy_k8s(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(server, message: str, started: float, port_file: str | None) -> int:
-    """Announces a started server, and stops it on SIGINT/SIGTERM or when its launcher dies."""
+def _serve(server, message: str, started: float, port_file: str | None, stop=None) -> int:
+    """Announces a started server, and stops it on SIGINT/SIGTERM, when its launcher dies, or when it fails
+    (``stop.fail``: then the process exits with 1)."""
     from pathways_nb.launch.processes import StopRequest, exit_with_parent
 
-    stop = StopRequest()
+    stop = stop or StopRequest()
     exit_with_parent(stop.request)
     print(f"{message} (started in {time.monotonic() - started:.1f} s)", flush=True)
     if port_file:
@@ -217,7 +221,7 @@ def _serve(server, message: str, started: float, port_file: str | None) -> int:
             f.write(str(server.port))
     logging.getLogger("pathways_nb").info("stopping %s", stop.wait())
     server.stop()
-    return 0
+    return 1 if stop.failure is not None else 0
 
 
 DEVICES_HELP = "number of CPU devices to create (default: JAX's, 1); accelerators always serve all of theirs"

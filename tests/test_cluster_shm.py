@@ -61,7 +61,8 @@ def cluster(request):
 def proxy(cluster):
     """A proxy's cluster runtime in this process (shared memory on), and one session on every device."""
     runtime = ClusterRuntime(cluster.resource_manager.hostport, credentials=cluster.credentials)
-    session = runtime.open_session(1, {}, EventLog().sink("test"))
+    opening = runtime.open_session(1, {}, EventLog().sink("test"))
+    session = asyncio.run_coroutine_threadsafe(opening, runtime.loop).result(timeout=60)
     yield session
     session.release()
     runtime.close()

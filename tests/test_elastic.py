@@ -13,8 +13,8 @@ import json
 import os
 import signal
 
+from pathways_nb.core.retry import Backoff
 from pathways_nb.launch.local_cluster import LocalCluster
-from pathways_nb.launch.supervisor import Backoff
 from pathways_nb.testing import finish, python_process
 
 TRAINING = """
@@ -114,7 +114,7 @@ def test_programs_compile_for_an_island_that_is_down_and_run_once_it_is_back():
     every check fail, and the elastic Manager retried without ever training on the survivors.
     """
     with LocalCluster(islands=2, devices_per_host=1) as cluster:
-        cluster.supervisor.backoff = Backoff(first_s=600)  # island 1 stays down until the test restarts it
+        cluster.supervisor.backoff = Backoff(first_s=600, max_s=600)  # island 1 stays down until the test restarts it
         client = python_process(HEALTH_CHECKS, cluster.address)
         try:
             assert json.loads(client.stdout.readline()) == {"active": [0, 1]}

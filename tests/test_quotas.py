@@ -9,6 +9,7 @@ session goes on.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -21,7 +22,6 @@ from pathways_nb import testing
 from pathways_nb.protocol import dtypes, shardings
 from pathways_nb.protocol.errors import DataLoss, Unavailable
 from pathways_nb.proxy.context import Quota
-from pathways_nb.proxy.deadlines import Deadlines
 from pathways_nb.proxy.host_buffers import HostBuffers
 from pathways_nb.testing import WireSession
 
@@ -145,8 +145,8 @@ def test_stored_host_buffers_count_until_deleted(wire):
 def test_a_staged_read_counts_until_deleted_and_a_closed_session_fails_its_lookups():
     """``HostBuffers`` alone: a download holds its bytes of the quota from the moment it is staged."""
     quota = Quota("host buffers", 100, "--session_host_buffer_bytes")
-    deadlines = Deadlines()
-    buffers = HostBuffers(deadlines, 5.0, quota)
+    loop = asyncio.new_event_loop()
+    buffers = HostBuffers(loop, 5.0, quota)
     try:
         reading = buffers.stage(1, buffers.reserve(40, "reading array 1"))
         assert buffers.ready(1) is reading and quota.in_use == 40
@@ -165,7 +165,7 @@ def test_a_staged_read_counts_until_deleted_and_a_closed_session_fails_its_looku
         with pytest.raises(Unavailable, match="disconnected"):
             buffers.read(3)
     finally:
-        deadlines.close()
+        loop.close()
 
 
 def test_a_session_that_ends_gives_its_quota_back(limited):

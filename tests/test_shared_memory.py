@@ -63,6 +63,7 @@ import json, os, stat, sys
 import jax, ml_dtypes, numpy as np, pathways_nb
 from jax.sharding import NamedSharding, PartitionSpec
 from pathways_nb.client import jax_plugin
+from pathways_nb.core import tuning
 
 pathways_nb.connect(sys.argv[1])
 directory = os.environ.get(jax_plugin.DIRECTORY_ENV)

@@ -21,6 +21,8 @@ import pandas as pd
 from pathways_nb.client import jax_plugin, tables
 from pathways_nb.client.observe import Observer, ObserveUnavailable
 from pathways_nb.client.timeline import DeviceLabel, Timeline
+from pathways_nb.core import tuning
+from pathways_nb.core.retry import Backoff
 from pathways_nb.core.security import generate_token, token_from_env
 from pathways_nb.core.session_options import SessionOptions, default_tenant
 from pathways_nb.errors import ConnectionFailed, PathwaysError
@@ -253,10 +255,6 @@ def connect(
     return session
 
 
-# A refused connection is retried this long (a server that is just starting), then reported.
-REFUSED_RETRY_S = 2.0
-
-
 def _check_listening(address: str, timeout_s: float) -> None:
     """Fails at once if nothing listens at ``address``; the stock client would retry until its timeout.
 
@@ -265,7 +263,8 @@ def _check_listening(address: str, timeout_s: float) -> None:
     """
     host, _, port = address.removeprefix("grpc://").rpartition(":")
     host = host.strip("[]")
-    deadline = time.monotonic() + REFUSED_RETRY_S
+    deadline = time.monotonic() + tuning.CONNECT_REFUSED_RETRY_S.value
+    backoff, wait_s = Backoff(first_s=0.05, max_s=0.5), None
     while True:
         try:
             socket.create_connection((host, int(port)), timeout=min(timeout_s, 5.0)).close()
@@ -277,7 +276,8 @@ def _check_listening(address: str, timeout_s: float) -> None:
         except OSError as e:
             if time.monotonic() > deadline:
                 raise ConnectionFailed(address, timeout_s, f"nothing is listening there ({e.strerror or e})") from None
-        time.sleep(0.1)
+        wait_s = backoff.after(wait_s)
+        time.sleep(wait_s)
 
 
 def _devices_showing_the_wait(address: str, options: SessionOptions, progress: bool, token: str | None) -> list:

@@ -13,7 +13,9 @@ from collections.abc import Awaitable, Callable, Sequence
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from pathways_nb.core.loop import LoopWatchdog
 from pathways_nb.core.security import ClusterCredentials
+from pathways_nb.rpc import cluster_pb2_grpc
 
 SERVER_OPTIONS = [
     # gRPC's 4 MiB default is too small for compile requests of big programs.
@@ -37,7 +39,8 @@ class BackgroundServer:
     ``on_stop`` run on the loop too. ``credentials`` decide whether callers need
     the cluster token and whether the port speaks TLS (default: neither, and
     then only a loopback ``host`` is allowed). ``options`` are gRPC server
-    options beside ``SERVER_OPTIONS`` (e.g. keepalive).
+    options beside ``SERVER_OPTIONS`` (e.g. keepalive). A ``LoopWatchdog`` named
+    ``process`` watches the loop; the server answers ``Diagnostics.GetLoopStats``.
     """
 
     def __init__(
@@ -50,6 +53,7 @@ class BackgroundServer:
         on_stop: Callable[[], Awaitable[None]] | None = None,
         credentials: ClusterCredentials | None = None,
         options: Sequence[tuple[str, object]] = (),
+        process: str = "",
     ):
         self.host = host
         self.credentials = credentials or ClusterCredentials()
@@ -60,9 +64,12 @@ class BackgroundServer:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="pathways-loop", daemon=True)
         self._thread.start()
+        self.watchdog = LoopWatchdog(self.loop, process or ", ".join(service_names))
+        self.watchdog.start()
         try:
             self.port = self.call(self._start(register, service_names, host, port, on_start, options))
         except BaseException:
+            self.watchdog.stop()
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join()
             raise
@@ -72,6 +79,7 @@ class BackgroundServer:
             options=[*SERVER_OPTIONS, *options], interceptors=self.credentials.server_interceptors()
         )
         register(self._server)
+        cluster_pb2_grpc.add_DiagnosticsServicer_to_server(_Diagnostics(self.watchdog), self._server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         address = host if host.startswith("unix:") else f"{host}:{port}"
@@ -99,6 +107,7 @@ class BackgroundServer:
             return
         self._stopped.set()
         self.call(self._stop(grace_s))
+        self.watchdog.stop()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join()
 
@@ -111,3 +120,13 @@ class BackgroundServer:
     def wait(self, timeout_s: float | None = None) -> bool:
         """Blocks until ``stop()``; True if stopped."""
         return self._stopped.wait(timeout_s)
+
+
+class _Diagnostics(cluster_pb2_grpc.DiagnosticsServicer):
+    """How the server's loop has turned (``Diagnostics.GetLoopStats``)."""
+
+    def __init__(self, watchdog: LoopWatchdog):
+        self._watchdog = watchdog
+
+    async def GetLoopStats(self, request, context):
+        return self._watchdog.stats()

@@ -3,10 +3,16 @@
 Neither the proxy nor a worker ever waits on its request stream: a request
 whose inputs are not there yet (an upload still on its way, an array another
 worker is sending, a program waiting for its own inputs) is chained onto them
-with ``run_after``, and finishes on whichever thread delivers the last input.
-An ``ArrayRecord`` is what a server knows about one array handle: metadata at
-once, the device value or the error that stopped it later; every later use of
-a failed handle reports the original message.
+with ``run_after``, and finishes where its owner says (``schedule``: on the
+server's event loop, which owns its session's state). An ``ArrayRecord`` is what
+a server knows about one array handle: metadata at once, the device value or the
+error that stopped it later; every later use of a failed handle reports the
+original message.
+
+``Pending`` is the one future of the data path: array values, replies of workers,
+readiness, statuses. It is resolved once, from any thread; ``wait_on_loop`` is the
+one place it meets asyncio, and ``Pending.wait`` the one place a pool thread
+blocks on it.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from pathways_nb.core.loop import call_on
 from pathways_nb.protocol import dtypes
 from pathways_nb.protocol.errors import FailedPrecondition, RequestError, as_request_error
 from pathways_nb.protocol.shardings import IfrtSharding
@@ -47,6 +54,20 @@ class Pending:
                 self._callbacks.append(callback)
                 return
         callback(self.value, self.error)
+
+    def wait(self, timeout_s: float | None = None) -> Any:
+        """Blocks until done (never call it on an event loop), then returns the value or raises the error.
+
+        Raises ``TimeoutError`` if not done within ``timeout_s``.
+        """
+        if not self._done:
+            arrived = threading.Event()
+            self.on_done(lambda _value, _error: arrived.set())
+            if not arrived.wait(timeout_s):
+                raise TimeoutError(f"not done within {timeout_s:g} s")
+        if self.error is not None:
+            raise self.error
+        return self.value
 
     def resolve(self, value: Any) -> bool:
         return self._finish(value, None)
@@ -79,19 +100,12 @@ async def wait_on_loop(pending: Pending) -> None:
     """Waits, on the running event loop, until ``pending`` is resolved or failed (by any thread)."""
     loop = asyncio.get_running_loop()
     done = loop.create_future()
-    loop_thread = threading.get_ident()
 
     def finish() -> None:
         if not done.done():  # (a cancelled wait)
             done.set_result(None)
 
-    def delivered(_value: Any, _error: BaseException | None) -> None:
-        if threading.get_ident() == loop_thread:
-            finish()
-        else:
-            loop.call_soon_threadsafe(finish)
-
-    pending.on_done(delivered)
+    pending.on_done(lambda _value, _error: call_on(loop, finish))
     await done
 
 
@@ -314,10 +328,14 @@ class ArrayRecord:
         return gate
 
 
+# Runs a callable where the state it touches lives (a server's event loop: ``core.loop.call_on``).
+Schedule = Callable[[Callable[[], None]], None]
+
+
 def run_after(
     inputs: Sequence[ArrayRecord],
     work: Callable[[], None],
-    lock,
+    schedule: Schedule,
     outputs: Sequence[ArrayRecord] = (),
     on_error: Callable[[RequestError], None] | None = None,
 ) -> None:
@@ -325,8 +343,9 @@ def run_after(
 
     If the inputs are ready, ``work`` runs now and a failure (of an input or
     of ``work``) raises here, so the request's reply can carry it. If not,
-    ``work`` runs later under ``lock``, and a failure goes to ``on_error``.
-    Either way each output record receives the failure.
+    ``work`` runs later, handed to ``schedule`` by whichever thread delivers the
+    last input, and a failure goes to ``on_error``. Either way each output
+    record receives the failure.
     """
 
     def fail_outputs(error: BaseException) -> RequestError:
@@ -348,14 +367,13 @@ def run_after(
         return
 
     def run_later(input_error: BaseException | None) -> None:
-        with lock:
-            try:
-                if input_error is not None:
-                    raise input_error
-                work()
-            except Exception as error:  # noqa: BLE001 - delivered to the dependents
-                failure = fail_outputs(error)
-                if on_error is not None:
-                    on_error(failure)
+        try:
+            if input_error is not None:
+                raise input_error
+            work()
+        except Exception as error:  # noqa: BLE001 - delivered to the dependents
+            failure = fail_outputs(error)
+            if on_error is not None:
+                on_error(failure)
 
-    when_all([record.pending for record in inputs], run_later)
+    when_all([record.pending for record in inputs], lambda error: schedule(lambda: run_later(error)))

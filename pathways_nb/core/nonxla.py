@@ -274,7 +274,7 @@ def parse(type_name: str, data: bytes) -> ParsedProgram:
         raise Unimplemented(f"programs of type {type_name!r} are not supported")
     limit = tuning.MAX_PROGRAM_BYTES.value
     if len(data) > limit:
-        allowed = f"more than the {limit} allowed ({tuning.MAX_PROGRAM_BYTES.env_var})"
+        allowed = f"more than the {limit / (1 << 20):g} MiB allowed ({tuning.MAX_PROGRAM_BYTES.env_var})"
         raise _refusal(kind, f"the program is {len(data)} bytes, {allowed}")
     if kind == PLUGIN:
         return _parse_plugin(data)

@@ -211,15 +211,15 @@ class DeviceValue(Protocol):
 class Runtime(Protocol):
     """The devices a proxy serves: each client session gets its share with ``open_session``."""
 
-    def open_session(self, session_id: int, attributes: dict[str, Any], events: Callable) -> DeviceSession:
-        """The devices of a new session (may wait for capacity; raises ``RequestError``).
-
-        ``events`` receives the session's ``execute`` and ``transfer`` events.
+    async def open_session(self, session_id: int, attributes: dict[str, Any], events: Callable) -> DeviceSession:
+        """The devices of a new session, awaited on the proxy's loop (it may queue for capacity; raises
+        ``RequestError``). ``events`` receives the session's ``execute`` and ``transfer`` events.
         """
         ...
 
     def cluster_state(self) -> Any:
-        """The devices, workers, allocations and queue (a ``pathways_nb.v1.ClusterState``)."""
+        """The devices, workers, allocations and queue (a ``pathways_nb.v1.ClusterState``); may block (call it
+        off the loop)."""
         ...
 
     def serve_on(self, loop: asyncio.AbstractEventLoop) -> None:

@@ -174,6 +174,11 @@ PART_REPORT_TIMEOUT_S = _define(
     30.0,
     "how long an island's host 0 waits for another host to report that its part of a step ran",
 )
+FORGET_PROGRAM_WAIT_S = _define(
+    "forget_program_wait_s",
+    30.0,
+    "a program no session holds is forgotten by its workers once they read what came before, or this long after",
+)
 EARLIER_WORK_WAIT_S = _define(
     "earlier_work_wait_s",
     600.0,
@@ -210,6 +215,11 @@ ONE_MACHINE_WORKER_TIMEOUT_S = _define(
 CONNECT_TIMEOUT_S = _define("connect_timeout_s", 60.0, "the default time-out of pathways_nb.connect")
 # A proxy on this host answers in 3-20 ms (measured), one that is not ours at once (UNIMPLEMENTED); only a
 # server that never answers costs this, and the process then uses gRPC.
+CONNECT_REFUSED_RETRY_S = _define(
+    "connect_refused_retry_s",
+    2.0,
+    "pathways_nb.connect tries an address that refuses connections this long (a server just starting) before failing",
+)
 PROBE_TIMEOUT_S = _define(
     "probe_timeout_s", 0.5, "how long the client asks a proxy whether it shares this host, at most"
 )

@@ -349,6 +349,7 @@ class ColocatedHostServer:
             host=f"unix:{socket_path}",
             on_stop=self.service.stop_all,
             credentials=credentials,
+            process=f"colocated host {socket_path}",
         )
         self.port = 0  # (a unix socket: what ``pathways-nb``'s launchers read from --port_file)
 

@@ -55,6 +55,7 @@ class StopRequest:
 
     def __init__(self) -> None:
         self._read, self._write = os.pipe()
+        self.failure: str | None = None  # why the server itself asked to stop (``fail``), if it did
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, self._on_signal)
 
@@ -65,11 +66,18 @@ class StopRequest:
         """Asks for the stop (from any thread)."""
         os.write(self._write, b"\0")
 
+    def fail(self, reason: str) -> None:
+        """Asks for the stop because the server cannot go on (from any thread); the process then exits with 1."""
+        self.failure = reason
+        os.write(self._write, b"\xff")
+
     def wait(self) -> str:
         """Blocks until a stop is asked for; says why. Later signals are ignored: the stop is under way."""
         (signum,) = os.read(self._read, 1)
         for ignored in (signal.SIGINT, signal.SIGTERM):
             signal.signal(ignored, signal.SIG_IGN)  # (else the exiting interpreter restores their default)
+        if signum == 0xFF:
+            return f"because it cannot go on: {self.failure}"
         return f"on {signal.Signals(signum).name}" if signum else "because its launcher exited"
 
 

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pathways_nb.core.exit_status import exit_description
+from pathways_nb.core.retry import Backoff
 from pathways_nb.launch.processes import ChildServer, ServerStartError, Status
 
 _LOGGER = logging.getLogger(__name__)
@@ -43,18 +44,9 @@ class ChildExit:
         )
 
 
-@dataclass(frozen=True)
-class Backoff:
-    """Delays between restarts: ``first_s``, doubling up to ``max_s`` while the child dies within ``stable_s``."""
-
-    first_s: float = 0.1
-    max_s: float = 10.0
-    stable_s: float = 30.0
-
-    def next(self, previous_s: float | None, lived_s: float) -> float:
-        if previous_s is None or lived_s >= self.stable_s:
-            return self.first_s
-        return min(self.max_s, previous_s * 2)
+# Restarts: the first soon, doubling up to 10 s while the child keeps dying within STABLE_S of its start.
+RESTARTS = Backoff(first_s=0.1, max_s=10.0)
+STABLE_S = 30.0
 
 
 class Supervisor:
@@ -67,7 +59,7 @@ class Supervisor:
         start_timeout_s: float = 60.0,
     ):
         self._on_exit = on_exit
-        self.backoff = backoff or Backoff()
+        self.backoff = backoff or RESTARTS
         self.start_timeout_s = start_timeout_s
         self.exits: list[ChildExit] = []
         self._closed = threading.Event()
@@ -89,7 +81,7 @@ class Supervisor:
             returncode = process.wait()
             if self._closed.is_set() or child.status in (Status.closing, Status.closed):
                 return
-            delay = self.backoff.next(delay, time.monotonic() - started)
+            delay = self.backoff.after(None if time.monotonic() - started >= STABLE_S else delay)
             ended = ChildExit(
                 child.name, process.pid, returncode, exit_description(returncode), time.time(), child.log_tail(), delay
             )

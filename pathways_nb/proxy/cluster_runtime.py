@@ -3,6 +3,9 @@
 ``ClusterRuntime`` follows the cluster's workers (``WatchCluster``), gives each client session an
 allocation (a lease that lasts as long as its ``Allocate`` call; ``cluster_session.ClusterSession``
 serves the session's work on it), and compiles programs on workers, once per worker process.
+Following the cluster, granting leases and telling workers to forget programs are coroutines and
+callbacks on the proxy's event loop: they hold no thread, and no call on the loop waits for the
+resource manager (what the proxy must know of the cluster, it keeps from the watch).
 """
 
 from __future__ import annotations
@@ -11,20 +14,21 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-import queue
 import secrets
 import threading
 import uuid
 import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, wait
 from typing import Any
 
 import grpc
 
-from pathways_nb.core import nonxla
+from pathways_nb.core import nonxla, tuning
 from pathways_nb.core.convert import program_from_proto
+from pathways_nb.core.dataflow import Pending, when_all
 from pathways_nb.core.events import EventSink
+from pathways_nb.core.loop import call_on
+from pathways_nb.core.retry import Retry
 from pathways_nb.core.runtime_api import (
     ProgramInfo,
 )
@@ -77,41 +81,56 @@ class ClusterRuntime:
         # Per program (by identity): worker incarnation -> program id on that worker.
         self._compiled: weakref.WeakKeyDictionary[RemoteProgram, dict[int, int]] = weakref.WeakKeyDictionary()
         # Compiles sent without waiting (program_id_on), by program id, until their reply: (reply, stream).
-        self._compiling: dict[int, tuple[Future, WorkerLink]] = {}
+        self._compiling: dict[int, tuple[Pending, WorkerLink]] = {}
         self._control: dict[str, WorkerLink] = {}
         self._layouts = LayoutBook()
         self._sessions: weakref.WeakSet[ClusterSession] = weakref.WeakSet()
         self._workers: dict[str, pb.WorkerState] = {}
+        # How many islands the cluster has (0 until the watch says): devices name theirs when there are several.
+        self.islands = 0
+        # Why the watch stopped for good (a permanent error, e.g. a refused token), if it did.
+        self.watch_failure: RequestError | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._leases: Leases | None = None
-        self._watching = threading.Event()
+        self._watch_task: asyncio.Task | None = None
         self._closed = False
-        self._watcher = threading.Thread(target=self._watch, name="pathways-cluster-watch", daemon=True)
-        self._watcher.start()
-        # Programs no one can run any more (see ``compile``): (hosts, worker incarnation -> program id).
-        self._dropped: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._forget_forever, name="pathways-forget-programs", daemon=True).start()
+        # Programs no one can run any more (see ``compile``), until the loop tells their workers.
+        self._dropped: list[tuple] = []
 
     # -- cluster state ---------------------------------------------------------------------
 
-    def _watch(self) -> None:
-        """Follows the resource manager's view of the workers, failing fast on dead ones."""
+    async def _watch(self) -> None:
+        """Follows the resource manager's view of the workers, failing fast on dead ones.
+
+        While the resource manager is away the stream waits for it (``wait_for_ready``, no polling);
+        a stream that fails is opened again after a backoff, and a failure no retry gets past
+        (``retry.is_permanent``: a refused token) stops the watch with an error in the log.
+        """
+        stub = cluster_pb2_grpc.ResourceManagerStub(self.credentials.aio_channel(self.rm_address))
+        retry = Retry(f"following the resource manager at {self.rm_address}")
+        request = pb.ClusterStateRequest(deltas=True)  # after the first state, only the workers that changed
         while not self._closed:
             try:
-                # wait_for_ready: while the resource manager is away, wait for it without polling.
-                # Deltas: after the first state, only the workers that changed (merged by _update).
-                for state in self._rm.WatchCluster(pb.ClusterStateRequest(deltas=True), wait_for_ready=True):
-                    try:
-                        self._update(state)
-                    except Exception:
-                        _LOGGER.exception("applying the cluster state failed")
-                    self._watching.set()
-            except grpc.RpcError as error:
+                call = stub.WatchCluster(request, metadata=self.credentials.call_metadata(), wait_for_ready=True)
+                async for state in call:
+                    self._update(state)
+                    retry.succeeded()
+            except grpc.aio.AioRpcError as error:
                 if self._closed:
                     return
-                _LOGGER.warning("lost the resource manager at %s (%s); retrying", self.rm_address, error.code().name)
+                try:
+                    wait_s = retry.failed(error)
+                except RequestError as failure:
+                    self.watch_failure = failure
+                    _LOGGER.error("stopped following the cluster: %s", failure.message)
+                    return
+                name = error.code().name
+                _LOGGER.warning("lost the resource manager at %s (%s); again in %.1f s", self.rm_address, name, wait_s)
+                await asyncio.sleep(wait_s)
 
     def _update(self, state: pb.ClusterState) -> None:
+        if state.islands:
+            self.islands = state.islands
         with self._lock:
             # Merged, not replaced: a resource manager that just restarted does not know every worker
             # yet, and a worker it has not heard from again is where it was, not gone.
@@ -150,22 +169,33 @@ class ClusterRuntime:
     # -- the loop the worker streams live on ---------------------------------------------------
 
     def serve_on(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Runs the streams to workers on ``loop``, the proxy's own (before any session opens)."""
-        self._loop = loop
+        """Runs the watch and the streams to workers on ``loop``, the proxy's own (before any session opens)."""
+        with self._lock:
+            self._loop = loop
+        self._start_watching(loop)
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
         """The streams' loop: the proxy's, or (used without a proxy server) a loop thread of its own."""
         with self._lock:
-            if self._loop is None:
-                self._loop = asyncio.new_event_loop()
-                threading.Thread(target=self._loop.run_forever, name="pathways-links", daemon=True).start()
-            return self._loop
+            if self._loop is not None:
+                return self._loop
+            self._loop = loop = asyncio.new_event_loop()
+        threading.Thread(target=loop.run_forever, name="pathways-links", daemon=True).start()
+        self._start_watching(loop)
+        return loop
+
+    def _start_watching(self, loop: asyncio.AbstractEventLoop) -> None:
+        def start() -> None:
+            if self._watch_task is None:
+                self._watch_task = loop.create_task(self._watch())
+
+        call_on(loop, start)
 
     # -- sessions --------------------------------------------------------------------------
 
-    def open_session(self, session_id: int, attributes: dict[str, Any], events: EventSink) -> ClusterSession:
-        """Allocates devices for a session, waiting in the queue if the cluster is busy."""
+    async def open_session(self, session_id: int, attributes: dict[str, Any], events: EventSink) -> ClusterSession:
+        """Allocates devices for a session (on the loop), waiting in the queue if the cluster is busy."""
         options = _session_options(attributes, self.allocation_timeout_s, f"{self.key}-s{session_id}")
         request = pb.AllocateRequest(
             tenant=options.tenant,
@@ -175,9 +205,9 @@ class ClusterRuntime:
             timeout_s=options.timeout_s,
         )
         try:
-            lease = self.leases.grant(
+            lease = await self.leases.grant(
                 request, lambda waiting: _LOGGER.info("session %d: %s", session_id, waiting.reason)
-            ).result()
+            )
         except grpc.aio.AioRpcError as error:
             raise _rm_error(error, self.rm_address) from None
         except EOFError:
@@ -244,16 +274,16 @@ class ClusterRuntime:
                     known.pop(worker.incarnation, None)
             raise
 
-        def replied(future: Future) -> None:
+        def replied(_value, error: BaseException | None) -> None:
             with self._lock:
-                if self._compiling.get(program_id, (None,))[0] is future:
+                if self._compiling.get(program_id, (None,))[0] is reply:
                     del self._compiling[program_id]
-                if future.exception() is not None and known.get(worker.incarnation) == program_id:
+                if error is not None and known.get(worker.incarnation) == program_id:
                     del known[worker.incarnation]
 
         with self._lock:
             self._compiling[program_id] = (reply, link)
-        reply.add_done_callback(replied)
+        reply.on_done(replied)
         return program_id
 
     def compiled_on(self, program: RemoteProgram, worker: pb.Device) -> int:
@@ -268,7 +298,7 @@ class ClusterRuntime:
 
     def _send_compile(
         self, link: WorkerLink, program_id: int, stablehlo: bytes, options: bytes, local_ids: tuple[int, ...]
-    ) -> Future:
+    ) -> Pending:
         command = pb.Command(
             compile=pb.Compile(program=program_id, stablehlo=stablehlo, compile_options=options, device_ids=local_ids)
         )
@@ -294,7 +324,7 @@ class ClusterRuntime:
         stead, for its description, and forgets it; with none, the compile fails with the loss.
         """
         ids = [next(self._program_ids) for _ in hosts]
-        sent: list[tuple[WorkerLink, Future] | WorkerLost] = []
+        sent: list[tuple[WorkerLink, Pending] | WorkerLost] = []
         for host, program_id in zip(hosts, ids, strict=True):
             try:
                 if not host.healthy:
@@ -331,7 +361,7 @@ class ClusterRuntime:
             known = self._compiled[program] = {hosts[i].incarnation: ids[i] for i in compiled}
         # Once no session handle, compile-cache entry or running request holds the program, its
         # workers drop it too (their table of programs would only grow otherwise).
-        weakref.finalize(program, self._dropped.put, (program.hosts, known))
+        weakref.finalize(program, self._drop, (program.hosts, known))
         return program
 
     def _compile_in_stead(
@@ -350,28 +380,35 @@ class ClusterRuntime:
             raise lost from None
         return compiled
 
-    def _forget_forever(self) -> None:
-        """Tells workers to drop the programs no one can run any more, in batches."""
-        while True:
-            dropped = [self._dropped.get()]
-            while not self._dropped.empty():
-                dropped.append(self._dropped.get())
-            if self._closed:
-                return
-            try:
-                self._forget(dropped)
-            except Exception:
-                _LOGGER.exception("telling workers to forget programs failed")
+    def _drop(self, dropped: tuple) -> None:
+        """A program no one can run any more (a finalizer, on any thread): its workers are told soon, on the loop.
 
-    def _forget(self, dropped: list) -> None:
+        Always through ``call_soon_threadsafe``, never at once: a finalizer may run on the loop's
+        own thread in the middle of other work.
+        """
+        loop = self._loop  # (not ``self.loop``, which takes a lock this thread may hold: GC runs anywhere)
+        if self._closed or loop is None:
+            return
+        try:
+            loop.call_soon_threadsafe(self._collect_dropped, dropped)
+        except RuntimeError:
+            pass  # the loop is closed: the process is ending, and the workers forget with their sessions
+
+    def _collect_dropped(self, dropped: tuple) -> None:
+        self._dropped.append(dropped)
+        if len(self._dropped) == 1:  # the first of a batch: the rest of this turn's finalizers join it
+            self.loop.call_soon(self._forget_dropped)
+
+    def _forget_dropped(self) -> None:
         """Sends ``ForgetProgram`` once each worker has taken in every command sent to it before.
 
         An ``Execute`` of the program may still be on its way on a session's stream (the stream
         ``ForgetProgram`` goes on is another): an empty ``Wait`` on each such stream answers only
-        after the worker has read all that came before it.
+        after the worker has read all that came before it (or, at most, ``tuning.FORGET_PROGRAM_WAIT_S`` later).
         """
+        dropped, self._dropped = self._dropped, []
         by_worker: dict[str, tuple[pb.Device, list[int]]] = {}
-        for hosts, known in filter(None, dropped):
+        for hosts, known in dropped:
             for host in hosts:
                 state = self.worker(host.worker_id)
                 program_id = known.get(state.incarnation) if state is not None and state.healthy else None
@@ -384,11 +421,21 @@ class ClusterRuntime:
                     by_worker[host.worker_id] = (current, [])
                 by_worker[host.worker_id][1].append(program_id)
         for worker_id, (device, program_ids) in by_worker.items():
-            taken_in = [f for session in list(self._sessions) if (f := session.taken_in(worker_id)) is not None]
-            wait(taken_in, timeout=30)  # a stream that breaks meanwhile took its worker's session with it
+            taken_in = [p for session in list(self._sessions) if (p := session.taken_in(worker_id)) is not None]
+            send = _once(lambda device=device, program_ids=program_ids: self._send_forget(device, program_ids))
+            when_all(taken_in, lambda _error, send=send: call_on(self.loop, send))
+            # (A stream that breaks meanwhile took its session, and its arrays, with it.)
+            self.loop.call_later(tuning.FORGET_PROGRAM_WAIT_S.value, send)
+
+    def _send_forget(self, device: pb.Device, program_ids: list[int]) -> None:
+        if self._closed:
+            return
+        try:
             link = self.control_link(device)
             for program_id in program_ids:
                 link.send(pb.Command(forget_program=pb.ForgetProgram(program=program_id)))
+        except RequestError as error:
+            _LOGGER.info("telling %s to forget programs failed: %s", device.worker_id, error.message)
 
     def profile_resource_manager(self, control: pb.ProfileControl) -> bytes:
         """Starts or stops a trace of the resource manager's process; the stop returns it (blocks)."""
@@ -418,12 +465,25 @@ class ClusterRuntime:
     def close(self) -> None:
         """Ends every session's leases and streams; anything waiting on a worker fails."""
         self._closed = True
-        self._dropped.put(None)
+        if self._watch_task is not None:
+            call_on(self.loop, self._watch_task.cancel)
         for session in list(self._sessions):
             session.release()
         for link in self._control.values():
             link.close()
         self._channel.close()
+
+
+def _once(function: Callable[[], None]) -> Callable[[], None]:
+    """``function``, run the first time the result is called only."""
+    done = []
+
+    def run() -> None:
+        if not done:
+            done.append(True)
+            function()
+
+    return run
 
 
 def _session_options(attributes: dict[str, Any], default_timeout_s: float, default_tenant: str) -> SessionOptions:

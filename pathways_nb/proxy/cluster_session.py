@@ -17,7 +17,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -122,7 +122,7 @@ class ClusterSession:
 
     def describe_devices(self, device_ids: Sequence[int]) -> list[DeviceDescription]:
         # On one island, devices print as local ones do (``runtime_api.describe_device``).
-        several_islands = self.cluster.cluster_state().islands > 1
+        several_islands = max(self.cluster.islands, self.allocation.cluster_islands) > 1
         return [
             describe_device(
                 device.id,
@@ -207,7 +207,7 @@ class ClusterSession:
             recorded.device_ids[:] = [d for d in global_ids if d >= 0]
             self.events(recorded)
 
-    def taken_in(self, worker_id: str) -> Future | None:
+    def taken_in(self, worker_id: str) -> Pending | None:
         """Done once the worker has read every command this session sent it so far (None: no open stream)."""
         with self._lock:
             link = self._links.get(worker_id)
@@ -347,7 +347,7 @@ class ClusterSession:
         # Asked first: a sender already lost fails the copy here, before the target expects anything.
         sent = value.link.request(pb.Command(send=send), "send")
         target.send(pb.Command(expect=pb.Expect(id=array_id, meta=meta)))
-        sent.add_done_callback(lambda reply: _fail_if_not_sent(reply, value.link, target, array_id, meta))
+        sent.on_done(lambda _reply, error: _fail_if_not_sent(error, value.link, target, array_id, meta))
         return RemoteArray(target, array_id, value.kind, shape, sharding)
 
     def copy_blocks(self, value, sharding: IfrtSharding) -> bool:
@@ -412,16 +412,15 @@ class ClusterSession:
             return read
         dtype = dtypes.to_numpy(value.kind)
 
-        def arrived(reply: Future) -> None:
-            try:
-                data = b"".join(reply.result())
-            except Exception as error:  # noqa: BLE001 - the read fails with it
+        def arrived(chunks: list[bytes], error: BaseException | None) -> None:
+            if error is not None:
                 failure, links = as_request_error(error), self._island_links(value.link.island)
                 wait_pool.submit(lambda: read.fail(explain_failure(failure, links)))  # it may wait for the cause
                 return
+            data = b"".join(chunks)
             fulfil(read, lambda: np.frombuffer(data, dtype).reshape(value.shape))
 
-        value.link.fetch_in_reply(value.array_id).add_done_callback(arrived)
+        value.link.fetch_in_reply(value.array_id).on_done(arrived)
         return read
 
     # -- programs --------------------------------------------------------------------------
@@ -631,9 +630,10 @@ class ClusterSession:
         self._lease.release()
 
 
-def _fail_if_not_sent(reply: Future, source: WorkerLink, target: WorkerLink, array_id: int, meta) -> None:
+def _fail_if_not_sent(
+    error: BaseException | None, source: WorkerLink, target: WorkerLink, array_id: int, meta
+) -> None:
     """A send whose worker was lost or could not push: the target's expected array fails instead of waiting forever."""
-    error = reply.exception()
     if error is None:
         return
     failure = as_request_error(error)

@@ -12,7 +12,6 @@ from pathways_nb.core.events import EventLog
 from pathways_nb.core.runtime_api import ProgramInfo, Runtime
 from pathways_nb.protocol.errors import ResourceExhausted
 from pathways_nb.proxy.activities import Activities
-from pathways_nb.proxy.deadlines import Deadlines
 
 
 @dataclass(frozen=True)
@@ -113,7 +112,6 @@ class ProxyContext:
     def __init__(self, runtime: Runtime, limits: ProxyLimits | None = None):
         self.runtime = runtime
         self.limits = limits or ProxyLimits()
-        self.deadlines = Deadlines()
         self.compile_pool = ThreadPoolExecutor(self.limits.compile_threads, thread_name_prefix="pathways-compile")
         # Blocking waits on device work (reading arrays back, readiness checks) run here so
         # that no session stream ever waits for a device.
@@ -126,4 +124,3 @@ class ProxyContext:
         self.runtime.close()
         self.compile_pool.shutdown(wait=False, cancel_futures=True)
         self.wait_pool.shutdown(wait=False, cancel_futures=True)
-        self.deadlines.close()

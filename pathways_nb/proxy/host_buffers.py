@@ -25,6 +25,7 @@ secret the client sent (docs/design.md, "Shared-memory transfers").
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import os
 import stat
@@ -33,6 +34,7 @@ from pathlib import Path
 
 from pathways_nb.core import session_options, shared_memory
 from pathways_nb.core.dataflow import Pending
+from pathways_nb.core.loop import Later
 from pathways_nb.protocol.errors import (
     DataLoss,
     DeadlineExceeded,
@@ -43,15 +45,15 @@ from pathways_nb.protocol.errors import (
     Unavailable,
 )
 from pathways_nb.proxy.context import Quota
-from pathways_nb.proxy.deadlines import Deadlines
 from pathways_nb.proxy.worker_link import OUTBOX
 
 
 class HostBuffers:
     """Host buffers by client-chosen handle, for one session."""
 
-    def __init__(self, deadlines: Deadlines, upload_timeout_s: float, quota: Quota):
-        self._deadlines = deadlines
+    def __init__(self, loop: asyncio.AbstractEventLoop, upload_timeout_s: float, quota: Quota):
+        """``loop``: where upload time-outs run (the server's)."""
+        self._loop = loop
         self._upload_timeout_s = upload_timeout_s
         self.quota = quota
         self._lock = threading.Lock()
@@ -221,7 +223,7 @@ class HostBuffers:
             self.quota.give(reserved)
             pending.resolve(data)
             return pending
-        timer = self._deadlines.call_later(self._upload_timeout_s, lambda: self._expire(handle, pending))
+        timer = Later(self._loop, self._upload_timeout_s, lambda: self._expire(handle, pending))
         pending.on_done(lambda _value, _error: timer.cancel())
         return pending
 

@@ -5,18 +5,22 @@ a coroutine on the loop that serves the streams to workers: an idle session
 costs no thread and no wake-up (a blocking gRPC stream read in a thread wakes
 ten times a second, which 200 idle sessions would pay 2,000 times a second).
 When the call breaks because the resource manager restarted, the allocation
-is claimed again, under the same id and devices, once it is back.
+is claimed again, under the same id and devices, once it is back; a claim that
+fails is tried again after a backoff, and one that can never succeed (the
+resource manager refuses this proxy's token) gives up with an error in the log.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from concurrent.futures import Future
 
 import grpc
 
+from pathways_nb.core.loop import call_on
+from pathways_nb.core.retry import Retry
 from pathways_nb.core.security import ClusterCredentials
+from pathways_nb.protocol.errors import RequestError
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
 
@@ -39,12 +43,9 @@ class Leases:
             self._stub = cluster_pb2_grpc.ResourceManagerStub(self._credentials.aio_channel(self.rm_address))
         return self._stub.Allocate(request, metadata=self._metadata, wait_for_ready=wait_for_ready)
 
-    def grant(self, request: pb.AllocateRequest, on_waiting) -> Future:
-        """A future of the granted ``Lease`` (``on_waiting(Waiting)`` while queued); it fails with the
+    async def grant(self, request: pb.AllocateRequest, on_waiting) -> Lease:
+        """The granted ``Lease``, awaited on the loop (``on_waiting(Waiting)`` while queued); raises the
         call's ``grpc.aio.AioRpcError``, or ``EOFError`` if the call ended before a grant."""
-        return asyncio.run_coroutine_threadsafe(self._grant(request, on_waiting), self.loop)
-
-    async def _grant(self, request: pb.AllocateRequest, on_waiting) -> Lease:
         call = self.allocate(request)
         try:
             async for update in call:
@@ -69,28 +70,42 @@ class Lease:
 
     def hold(self, session_id: int) -> None:
         """Keeps the allocation for the session's life, claiming it again from a restarted resource manager."""
-        asyncio.run_coroutine_threadsafe(self._hold(session_id), self._leases.loop)
+        loop = self._leases.loop
+        call_on(loop, lambda: loop.create_task(self._hold(session_id)))
 
     async def _hold(self, session_id: int) -> None:
         reclaim = pb.AllocateRequest()
         reclaim.CopyFrom(self._request)
         reclaim.reclaim_allocation_id = self.granted.allocation_id
         reclaim.reclaim_device_ids.extend(d.id for d in self.granted.devices)
+        retry = Retry(f"claiming allocation {self.granted.allocation_id} again")
         while not self._released:
             try:
                 async for _update in self._call:
-                    pass
+                    retry.succeeded()
             except asyncio.CancelledError:
                 return
             except grpc.aio.AioRpcError as error:
-                if not self._released and error.code() != grpc.StatusCode.CANCELLED:
-                    _LOGGER.warning(
-                        "session %d: lost the resource manager at %s (%s); its devices stay in use, and "
-                        "the allocation is claimed again when it is back",
+                if self._released or error.code() == grpc.StatusCode.CANCELLED:
+                    return
+                try:
+                    wait_s = retry.failed(error)
+                except RequestError as failure:
+                    _LOGGER.error(
+                        "session %d: the resource manager will not hold its allocation (%s); its devices stay "
+                        "in use, but the cluster no longer counts them as held",
                         session_id,
-                        self._leases.rm_address,
-                        error.code().name,
+                        failure.message,
                     )
+                    return
+                _LOGGER.warning(
+                    "session %d: lost the resource manager at %s (%s); its devices stay in use, and the "
+                    "allocation is claimed again when it is back",
+                    session_id,
+                    self._leases.rm_address,
+                    error.code().name,
+                )
+                await asyncio.sleep(wait_s)
             if not self._released:
                 # Waits (without polling) until the resource manager answers again.
                 self._call = self._leases.allocate(reclaim, wait_for_ready=True)

@@ -30,8 +30,8 @@ class LocalProxyRuntime:
         # Where non-XLA programs (profiles, checkpoints) write: this process is the only host.
         self.host = nonxla.HostContext(storage or StorageRoot(default_root()))
 
-    def open_session(self, session_id: int, attributes: dict, events: EventSink) -> LocalSession:
-        """Every session of a single-process server shares all its devices."""
+    async def open_session(self, session_id: int, attributes: dict, events: EventSink) -> LocalSession:
+        """Every session of a single-process server shares all its devices (at once)."""
         return LocalSession(self.runtime, events, self.host)
 
     def serve_on(self, loop) -> None:

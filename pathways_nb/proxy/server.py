@@ -54,6 +54,7 @@ class ProxyServer:
                 on_start=self._serve_runtime,
                 on_stop=self._close_sessions,
                 credentials=credentials,
+                process="proxy",
             )
         except BaseException:
             self.context.close()

@@ -20,6 +20,7 @@ import grpc
 
 from pathways_nb.core import tuning
 from pathways_nb.core.dataflow import wait_on_loop
+from pathways_nb.core.loop import call_on
 from pathways_nb.protocol import attributes, data_messages, schema
 from pathways_nb.protocol.errors import DataLoss, RequestError, grpc_code
 from pathways_nb.proxy import (
@@ -45,14 +46,10 @@ class _Outbox:
     def __init__(self) -> None:
         # Created on the loop's thread, inside the stream's coroutine.
         self._loop = asyncio.get_running_loop()
-        self._loop_thread = threading.get_ident()
         self._queue: asyncio.Queue = asyncio.Queue()
 
     def put(self, response) -> None:
-        if threading.get_ident() == self._loop_thread:
-            self._queue.put_nowait(response)
-        else:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, response)
+        call_on(self._loop, self._queue.put_nowait, response)
 
     def close(self, error: grpc.StatusCode | None = None, message: str = "") -> None:
         self.put(_Closed(error, message))

@@ -1,17 +1,18 @@
 """One client connection: its arrays, programs and futures, and the serving of its requests.
 
-Requests are served in arrival order on the thread that reads the stream, and
-none of them waits: work whose inputs are not ready is chained onto them
-(``after``), and work that must wait for a device runs on the shared wait
-pool (``in_background``). Both finish under the session lock and reply
+Requests are served in arrival order on the server's event loop, and none of
+them waits: work whose inputs are not ready is chained onto them (``after``),
+and work that must wait for a device runs on the shared pools
+(``in_background``). Both finish on the loop, which alone touches the session's
+state, so no lock is shared between the loop and the pool threads; they reply
 through ``reply``, which may send replies out of order, as the protocol allows.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
@@ -20,6 +21,7 @@ from typing import Any
 from pathways_nb.core import session_options
 from pathways_nb.core.dataflow import ArrayRecord, Pending, run_after
 from pathways_nb.core.events import event
+from pathways_nb.core.loop import call_on
 from pathways_nb.core.memory import release_free_memory
 from pathways_nb.core.runtime_api import DeviceSession
 from pathways_nb.protocol import schema
@@ -57,16 +59,18 @@ class Session:
         self.session_id = session_id
         self.version = version
         self.context = context
+        # Made on the loop that serves it: every change of the session's state happens there.
+        self.loop = asyncio.get_running_loop()
         # The session's devices, from ``open_devices`` (the init request).
         self._devices: DeviceSession | None = None
-        self._devices_requested = False
+        self._opening: asyncio.Task | None = None
         # What the client sent as ClientConnectionOptions.initialization_data.
         self.init_attributes = init_attributes or {}
         self.events = context.events.sink(self.tenant)
         self.messages = schema.load()
         limits = context.limits
         self.host_buffers = HostBuffers(
-            context.deadlines,
+            self.loop,
             limits.host_buffer_timeout_s,
             Quota("host buffers", limits.session_host_buffer_bytes, "--session_host_buffer_bytes"),
         )
@@ -79,7 +83,6 @@ class Session:
         # (XLA programs in between do not wait for it, so ``latest_work`` alone would lose the order).
         self.latest_nonxla_work: dict[int, list[ArrayRecord]] = {}
         self.futures: dict[int, Pending] = {}
-        self.lock = threading.RLock()
         self.closed = False
         self._send = send
         self._server_handles = itertools.count(SERVER_HANDLE_BASE)
@@ -87,26 +90,43 @@ class Session:
 
     # -- devices ---------------------------------------------------------------------------
 
-    def open_devices(self) -> DeviceSession:
-        """Gets this session's devices (blocks while the cluster has no capacity)."""
-        with self.lock:
-            if self._devices is not None:
-                return self._devices  # init again: the same devices, not a second allocation
-            if self._devices_requested:
-                raise FailedPrecondition("this session is already waiting for its devices: send init once, first")
-            self._devices_requested = True
+    def open_devices(self, done: Callable[[DeviceSession | None, RequestError | None], None]) -> None:
+        """Gets this session's devices, then ``done(devices, error)`` on the loop.
+
+        The allocation is awaited on the loop (a cluster may make the session queue for minutes): a
+        session waiting for devices holds no thread, and no other session waits behind it.
+        """
+        if self._devices is not None:
+            done(self._devices, None)  # init again: the same devices, not a second allocation
+            return
+        if self._opening is not None:
+            raise FailedPrecondition("this session is already waiting for its devices: send init once, first")
         started = time.time()
-        with self.context.activities.track("wait", "waiting for devices", self.tenant):
-            devices = self.context.runtime.open_session(self.session_id, self.init_attributes, self.events)
-        waited = time.time() - started
-        if waited > 0.05:
-            self.events(event("wait", "waiting for devices", devices.device_ids, started, started + waited))
-        with self.lock:
+
+        async def allocate() -> DeviceSession:
+            with self.context.activities.track("wait", "waiting for devices", self.tenant):
+                return await self.context.runtime.open_session(self.session_id, self.init_attributes, self.events)
+
+        def opened(task: asyncio.Task) -> None:
+            if task.cancelled():
+                return  # the session ended meanwhile
+            error = task.exception()
+            if error is not None:
+                done(None, as_request_error(error))
+                return
+            devices = task.result()
             if self.closed:
                 devices.release()
-                raise Unavailable("the session ended while it waited for devices")
+                done(None, Unavailable("the session ended while it waited for devices"))
+                return
+            waited = time.time() - started
+            if waited > 0.05:
+                self.events(event("wait", "waiting for devices", devices.device_ids, started, started + waited))
             self._devices = devices
-        return devices
+            done(devices, None)
+
+        self._opening = self.loop.create_task(allocate())
+        self._opening.add_done_callback(opened)
 
     @property
     def runtime(self) -> DeviceSession:
@@ -144,22 +164,21 @@ class Session:
         handler = dispatch.HANDLERS.get(kind) if kind else None
         if _LOGGER.isEnabledFor(logging.DEBUG):
             _LOGGER.debug("session %d op %d: %s", self.session_id, op_id, _short(request))
-        with self.lock:
-            self.requests_served += 1
-            if handler is None:
-                self.reply_error(op_id, Unimplemented(_unimplemented_message(kind)))
-                return
-            body = getattr(request, kind)
-            try:
-                result = handler.function(self, body, op_id)
-            except Exception as error:  # noqa: BLE001 - every failure becomes the reply's status
-                failure = as_request_error(error)
-                if handler.outputs is not None:
-                    self.fail_handles(handler.outputs(body), failure)
-                self.reply_error(op_id, failure)
-                return
-            if result is not dispatch.DEFERRED:
-                self.reply(op_id, handler.response_field, result)
+        self.requests_served += 1
+        if handler is None:
+            self.reply_error(op_id, Unimplemented(_unimplemented_message(kind)))
+            return
+        body = getattr(request, kind)
+        try:
+            result = handler.function(self, body, op_id)
+        except Exception as error:  # noqa: BLE001 - every failure becomes the reply's status
+            failure = as_request_error(error)
+            if handler.outputs is not None:
+                self.fail_handles(handler.outputs(body), failure)
+            self.reply_error(op_id, failure)
+            return
+        if result is not dispatch.DEFERRED:
+            self.reply(op_id, handler.response_field, result)
 
     def reply(self, op_id: int, field: str, body) -> None:
         response = self.messages.proxy.IfrtResponse()
@@ -249,6 +268,14 @@ class Session:
 
     # -- chaining work ---------------------------------------------------------------------
 
+    def on_loop(self, function: Callable[[], None]) -> None:
+        """Runs ``function`` on the session's loop (now, if this is it), unless the session has ended by then."""
+        call_on(self.loop, self._unless_closed, function)
+
+    def _unless_closed(self, function: Callable[[], None]) -> None:
+        if not self.closed:
+            function()
+
     def after(
         self,
         inputs: Sequence[ArrayRecord],
@@ -256,8 +283,12 @@ class Session:
         outputs: Sequence[ArrayRecord] = (),
         on_error: Callable[[RequestError], None] | None = None,
     ) -> None:
-        """Runs ``work`` once every input has its value (see ``dataflow.run_after``)."""
-        run_after(inputs, work, self.lock, outputs, on_error)
+        """Runs ``work`` on the loop once every input has its value (see ``dataflow.run_after``)."""
+        run_after(inputs, work, self.on_loop, outputs, on_error)
+
+    def when_done(self, pending: Pending, done: Callable[[Any, BaseException | None], None]) -> None:
+        """Calls ``done(value, error)`` on the loop once ``pending`` is done (by whichever thread does it)."""
+        pending.on_done(lambda value, error: self.on_loop(lambda: done(value, error)))
 
     def in_background(
         self,
@@ -265,32 +296,31 @@ class Session:
         done: Callable[[Any, RequestError | None], None],
         pool: Executor | None = None,
     ) -> None:
-        """Runs blocking ``work`` on ``pool`` (the wait pool), then ``done(result, error)`` under the lock."""
+        """Runs blocking ``work`` on ``pool`` (the wait pool), then hands ``done(result, error)`` to the loop."""
 
         def run() -> None:
             try:
                 result, error = work(), None
             except Exception as failure:  # noqa: BLE001 - delivered to ``done``
                 result, error = None, as_request_error(failure)
-            with self.lock:
-                if not self.closed:
-                    done(result, error)
+            self.on_loop(lambda: done(result, error))
 
         (pool or self.context.wait_pool).submit(run)
 
     # -- ending ----------------------------------------------------------------------------
 
     def close(self, reason: str) -> None:
-        """Frees everything the session holds; late replies are dropped."""
-        with self.lock:
-            if self.closed:
-                return
-            self.closed = True
-            arrays, self.arrays = self.arrays, {}
-            self.programs.clear()
-            self.latest_work.clear()
-            self.latest_nonxla_work.clear()
-            futures, self.futures = self.futures, {}
+        """Frees everything the session holds; late replies are dropped (on the loop)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._opening is not None:
+            self._opening.cancel()  # a session still queued for devices stops asking
+        arrays, self.arrays = self.arrays, {}
+        self.programs.clear()
+        self.latest_work.clear()
+        self.latest_nonxla_work.clear()
+        futures, self.futures = self.futures, {}
         self.host_buffers.close(reason)
         for record in arrays.values():
             if record.value is not None and not record.value.is_deleted():

@@ -3,8 +3,8 @@
 Commands are queued without waiting, from any thread, and go out in batches:
 whatever has been queued when the stream's writer next runs goes in one
 message, so a burst of requests costs one message. Requests that want an
-answer get a future. If the stream breaks (the worker died or restarted),
-every waiting future and every later command fails with an error that names
+answer get a ``Pending``. If the stream breaks (the worker died or restarted),
+every waiting one and every later command fails with an error that names
 the island and host.
 
 The stream is a grpc.aio call on the proxy's own event loop (the one that
@@ -28,13 +28,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 
 import grpc
 
 from pathways_nb.core import shared_memory, tuning
 from pathways_nb.core.aio_server import SERVER_OPTIONS
 from pathways_nb.core.convert import error_of
+from pathways_nb.core.dataflow import Pending
 from pathways_nb.core.security import ClusterCredentials
 from pathways_nb.protocol.errors import DataLoss, RequestError, Unavailable
 from pathways_nb.rpc import cluster_pb2 as pb
@@ -98,7 +98,7 @@ class WorkerLink:
         self._lost_at = 0.0
         self._ids = itertools.count(1)
         self._requests = itertools.count(1)
-        self._waiters: dict[int, tuple[Future, list[bytes] | None]] = {}
+        self._waiters: dict[int, tuple[Pending, list[bytes] | None]] = {}
         self._loop = loop
         self._wakeup: asyncio.Event | None = None
         self._call = None
@@ -180,28 +180,28 @@ class WorkerLink:
             return bytearray().join(received)  # one copy (here, not on the loop), and writable as the array it becomes
         return received
 
-    def fetch_in_reply(self, array_id: int) -> Future:
+    def fetch_in_reply(self, array_id: int) -> Pending:
         """Asks for the bytes of array ``array_id`` in the reply itself, without waiting for them.
 
         For small arrays (the worker never answers under ``tuning.SHARED_MEMORY_MIN_BYTES`` with a file): the
-        future gets the list of the reply's byte chunks, on the link's loop.
+        pending gets the list of the reply's byte chunks, on the link's loop.
         """
         return self.request(pb.Command(fetch=pb.Fetch(id=array_id)), "fetch", collect_bytes=True)
 
-    def result(self, future: Future):
+    def result(self, reply: Pending):
         """Waits for a reply of this link; refused on the event loop the link lives on, which would wait for itself."""
         if self._on_its_loop():
             raise RuntimeError(
                 f"waiting for {self.describe()} on the event loop that reads its replies would never end; "
                 "this work belongs on the proxy's wait pool"
             )
-        return future.result()
+        return reply.wait()
 
-    def request(self, command: pb.Command, field: str, collect_bytes: bool = False) -> Future:
-        """Queues a command that answers; the future gets the reply (or the fetched bytes)."""
+    def request(self, command: pb.Command, field: str, collect_bytes: bool = False) -> Pending:
+        """Queues a command that answers; the pending gets the reply (or the fetched bytes)."""
         request_id = next(self._requests)
         getattr(command, field).request = request_id
-        future: Future = Future()
+        future = Pending()
         with self._lock:
             if self._error is not None:
                 raise self._error
@@ -343,20 +343,20 @@ class WorkerLink:
                     return
             del self._waiters[reply.request]
         if kind == "error":
-            future.set_exception(error_of(reply.error))
+            future.fail(error_of(reply.error))
         elif kind == "shared":
             try:
-                future.set_result(shared_memory.take(reply.shared.path, reply.shared.size))
+                future.resolve(shared_memory.take(reply.shared.path, reply.shared.size))
             except shared_memory.NotShared as error:
                 shared_memory.discard(reply.shared.path)
-                future.set_exception(error)
+                future.fail(error)
             else:
                 self._count("shared memory", reply.shared.size)
         elif chunks is not None and kind == "data":
             self._count("gRPC", sum(len(chunk) for chunk in chunks))
-            future.set_result(chunks)  # joined by the waiter (``fetch``), off the loop
+            future.resolve(chunks)  # joined by the waiter (``fetch``), off the loop
         else:
-            future.set_result(reply)
+            future.resolve(reply)
 
     async def _cause_of_loss(self, detail: str) -> str:
         """``detail``, or the cluster's reason for the loss if it arrives within a moment of the broken stream."""
@@ -383,7 +383,7 @@ class WorkerLink:
             waiters, self._waiters = self._waiters, {}
         self._on_loop(self._wake)  # the writer ends the stream's sending side
         for future, _data in waiters.values():
-            future.set_exception(error)
+            future.fail(error)
         OUTBOX.remove(self._file_prefix)  # uploads the worker will never take
 
     def close(self) -> None:
@@ -392,7 +392,7 @@ class WorkerLink:
             self._closed = True
             waiters, self._waiters = self._waiters, {}
         for future, _data in waiters.values():
-            future.set_exception(Unavailable(f"the session's link to {self.describe()} was closed"))
+            future.fail(Unavailable(f"the session's link to {self.describe()} was closed"))
         self._on_loop(self._shut)
         OUTBOX.remove(self._file_prefix)
 

@@ -36,6 +36,7 @@ class ResourceManagerServer:
             credentials=credentials,
             # Pings every caller's connection: a worker whose host vanished ends its Attach stream.
             options=self.service.liveness.server_options(),
+            process="resource manager",
         )
         self.host, self.port = host, self._server.port
 

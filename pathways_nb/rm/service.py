@@ -272,6 +272,7 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
                     allocation_id=ticket.allocation_id,
                     devices=[self.registry.device(i) for i in ticket.devices],
                     platform=self._platform(),
+                    cluster_islands=self._islands(),
                 )
             )
             # The allocation lasts as long as this call: until the holder cancels it or goes away.
@@ -289,7 +290,9 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
         _LOGGER.info("%s of %s reclaimed: devices %s", ticket.allocation_id, ticket.tenant, list(ticket.devices))
         self._changed()
         try:
-            granted = pb.Allocation(allocation_id=ticket.allocation_id, platform=self._platform())
+            granted = pb.Allocation(
+                allocation_id=ticket.allocation_id, platform=self._platform(), cluster_islands=self._islands()
+            )
             devices = (self.registry.device(i) for i in ticket.devices)
             granted.devices.extend(device for device in devices if device is not None)
             yield pb.AllocateUpdate(granted=granted)
@@ -298,6 +301,9 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
             self.allocator.release(ticket)
             self._grant()
             self._changed()
+
+    def _islands(self) -> int:
+        return self.topology.islands if self.topology else len(self.registry.islands())
 
     def _platform(self) -> str:
         return self.registry.platform or (self.topology.platform if self.topology else "")
@@ -311,7 +317,7 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
             allocations=self.allocator.states(),
             waiting=len(self.allocator.queue),
             queue=self.allocator.queued(self.registry),
-            islands=topology.islands if topology else len(self.registry.islands()),
+            islands=self._islands(),
             hosts_per_island=topology.hosts_per_island if topology else 0,
             devices_per_host=topology.devices_per_host if topology else 0,
             platform=self._platform(),

@@ -1104,3 +1104,84 @@ class ColocatedExecutor:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class DiagnosticsStub:
+    """Served by every server of a cluster (resource manager, proxy, workers, colocated hosts) beside its
+    own service: how its event loop has turned, as its watchdog saw it (docs/design.md, "Event loops
+    that never wait"). Tests and benchmarks read it; it needs the cluster token like everything else.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.GetLoopStats = channel.unary_unary(
+                '/pathways_nb.v1.Diagnostics/GetLoopStats',
+                request_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.LoopStatsRequest.SerializeToString,
+                response_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.LoopStats.FromString,
+                _registered_method=True)
+
+
+class DiagnosticsServicer:
+    """Served by every server of a cluster (resource manager, proxy, workers, colocated hosts) beside its
+    own service: how its event loop has turned, as its watchdog saw it (docs/design.md, "Event loops
+    that never wait"). Tests and benchmarks read it; it needs the cluster token like everything else.
+    """
+
+    def GetLoopStats(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_DiagnosticsServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'GetLoopStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLoopStats,
+                    request_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.LoopStatsRequest.FromString,
+                    response_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.LoopStats.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pathways_nb.v1.Diagnostics', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pathways_nb.v1.Diagnostics', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Diagnostics:
+    """Served by every server of a cluster (resource manager, proxy, workers, colocated hosts) beside its
+    own service: how its event loop has turned, as its watchdog saw it (docs/design.md, "Event loops
+    that never wait"). Tests and benchmarks read it; it needs the cluster token like everything else.
+    """
+
+    @staticmethod
+    def GetLoopStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pathways_nb.v1.Diagnostics/GetLoopStats',
+            pathways__nb_dot_rpc_dot_cluster__pb2.LoopStatsRequest.SerializeToString,
+            pathways__nb_dot_rpc_dot_cluster__pb2.LoopStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -17,15 +17,17 @@ import random
 import secrets
 import socket
 import threading
-import time
+from collections.abc import Callable
 
 import grpc
 
 from pathways_nb.core import keepalive
 from pathways_nb.core.aio_server import BackgroundServer
 from pathways_nb.core.nonxla import HostContext
+from pathways_nb.core.retry import Retry
 from pathways_nb.core.security import ClusterCredentials
 from pathways_nb.core.storage import StorageRoot, default_root
+from pathways_nb.protocol.errors import RequestError
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
 from pathways_nb.worker.colocated import ColocatedPython
@@ -34,9 +36,6 @@ from pathways_nb.worker.runtime import LocalRuntime
 from pathways_nb.worker.service import SERVICE_NAME, WorkerService, local_devices
 
 _LOGGER = logging.getLogger(__name__)
-
-# Between two attempts to attach while the resource manager cannot be reached.
-_RETRY_S = 0.5
 
 
 class WorkerServer:
@@ -55,8 +54,10 @@ class WorkerServer:
         credentials: ClusterCredentials | None = None,
         colocated_python_host: str | None = None,
         storage: StorageRoot | None = None,
+        on_fatal: Callable[[str], None] | None = None,
     ):
-        """``storage``: where the non-XLA programs clients send (profiles, checkpoints) write."""
+        """``storage``: where the non-XLA programs clients send (profiles, checkpoints) write. ``on_fatal(why)``:
+        called (on a thread of its own) if the worker can no longer be part of its cluster; default: ``stop``."""
         credentials = credentials or ClusterCredentials()
         self.runtime = runtime
         self.island, self.host_index = island, host_index
@@ -76,6 +77,7 @@ class WorkerServer:
             port,
             host,
             credentials=credentials,
+            process=f"worker {name}",
         )
         self.port = self._server.port
         self.advertised = f"{advertise_address or host}:{self.port}"
@@ -83,11 +85,16 @@ class WorkerServer:
             credentials.channel(resource_manager_address, options=keepalive.client_options())
         )
         self._stopped = threading.Event()
+        self._on_fatal = on_fatal or (lambda _why: self.stop())
         self._load = LoadGauge(runtime, lambda: len(self.service.sessions))
         self._attaching = True  # False while the resource manager has no Attach (heartbeats instead)
         self._update_interval_s = 1.0
         self._attachment: tuple[grpc.Call, threading.Event] | None = None  # the open stream, and what ends it
-        self.registration = self._register(register_timeout_s)
+        try:
+            self.registration = self._register(register_timeout_s)
+        except BaseException:
+            self._server.stop(0)
+            raise
         self._interval_s = self.registration.heartbeat_interval_s
         self._liveness = threading.Thread(target=self._stay_alive, name="pathways-liveness", daemon=True)
         self._liveness.start()
@@ -108,7 +115,7 @@ class WorkerServer:
             incarnation=self.incarnation,
             host_key=self.service.outbox.host_key,
         )
-        deadline = time.monotonic() + timeout_s
+        retry = Retry("registering with the resource manager", None if timeout_s == float("inf") else timeout_s)
         while not self._stopped.is_set():
             try:
                 response = self._attach(request) if self._attaching else self._rm.RegisterWorker(request, timeout=5)
@@ -121,10 +128,11 @@ class WorkerServer:
                     _LOGGER.info("the resource manager has no Attach (an earlier version): heartbeating instead")
                     self._attaching = False
                     continue
-                if error.code() == grpc.StatusCode.INVALID_ARGUMENT or time.monotonic() > deadline:
-                    self._server.stop(0)
-                    raise RuntimeError(f"the resource manager refused this worker: {error.details()}") from None
-                self._stopped.wait(_RETRY_S)
+                try:
+                    wait_s = retry.failed(error)
+                except RequestError as failure:
+                    raise RuntimeError(f"this worker could not register: {failure.message}") from None
+                self._stopped.wait(wait_s)
         raise RuntimeError("the worker stopped before it was registered")
 
     def _attach(self, request: pb.RegisterWorkerRequest) -> pb.RegisterWorkerResponse:
@@ -168,7 +176,13 @@ class WorkerServer:
                 yield pb.WorkerUpdate(load=load)
 
     def _stay_alive(self) -> None:
-        """Keeps this worker attached (or heartbeating, to a resource manager without Attach) until ``stop``."""
+        """Keeps this worker attached (or heartbeating, to a resource manager without Attach) until ``stop``.
+
+        A failure that registering again cannot get past (the resource manager refuses this worker's
+        token, say) ends the worker (``on_fatal``): a worker no one can reach serves nobody, and its
+        launcher, which sees it end, says why and starts a new one.
+        """
+        heartbeats = Retry("heartbeating to the resource manager")
         while not self._stopped.is_set():
             try:
                 if self._attaching:
@@ -177,14 +191,24 @@ class WorkerServer:
                         self.registration = self._register(timeout_s=float("inf"))
                 elif not self._stopped.wait(self._jittered()):
                     self._answered(self._rm.Heartbeat(self._beat(), timeout=5))
+                    heartbeats.succeeded()
             except grpc.RpcError as error:
                 if self._stopped.is_set():
                     return
                 _LOGGER.warning("heartbeat failed (%s); retrying", error.code().name)
-                self._stopped.wait(self._interval_s)
-            except RuntimeError:
+                try:
+                    self._stopped.wait(heartbeats.failed(error))
+                except RequestError as failure:
+                    self._fatal(failure.message)
+                    return
+            except RuntimeError as error:
                 if not self._stopped.is_set():
-                    _LOGGER.exception("re-registration failed")
+                    self._fatal(str(error))
+                return
+
+    def _fatal(self, reason: str) -> None:
+        _LOGGER.error("the worker cannot stay in its cluster, and stops: %s", reason)
+        self._on_fatal(reason)
 
     def _jittered(self) -> float:
         # Jittered, so that workers started together do not heartbeat in lockstep bursts.

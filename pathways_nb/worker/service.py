@@ -12,7 +12,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -21,10 +21,11 @@ import numpy as np
 from pathways_nb.core import shared_memory, tuning
 from pathways_nb.core.aio_server import SERVER_OPTIONS
 from pathways_nb.core.dataflow import Pending, wait_on_loop
+from pathways_nb.core.loop import call_on
 from pathways_nb.core.nonxla import HostContext
 from pathways_nb.core.security import ClusterCredentials
 from pathways_nb.core.storage import StorageRoot, default_root
-from pathways_nb.protocol.errors import RequestError, Unavailable, as_request_error
+from pathways_nb.protocol.errors import Unavailable
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
 from pathways_nb.worker.colocated import ColocatedPython
@@ -44,7 +45,6 @@ class _Replies:
 
     def __init__(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._loop_thread = threading.get_ident()
         self._lock = threading.Lock()
         self._items: list[pb.Reply] = []
         self._events: list[pb.Event] = []
@@ -70,16 +70,10 @@ class _Replies:
         self._wake()
 
     def _wake(self) -> None:
-        if threading.get_ident() == self._loop_thread:
-            self._ready.set()
-        else:
-            self._loop.call_soon_threadsafe(self._ready.set)
+        call_on(self._loop, self._ready.set)
 
     def _wake_later(self) -> None:
-        if threading.get_ident() == self._loop_thread:
-            self._loop.call_later(tuning.EVENTS_DELAY_S.value, self._ready.set)
-        else:
-            self._loop.call_soon_threadsafe(self._loop.call_later, tuning.EVENTS_DELAY_S.value, self._ready.set)
+        call_on(self._loop, self._loop.call_later, tuning.EVENTS_DELAY_S.value, self._ready.set)
 
     async def batches(self) -> AsyncIterator[pb.ReplyBatch]:
         while True:
@@ -124,16 +118,6 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
         # Array bytes for the proxy and peers on this host go through shared memory (its key is registered).
         self.outbox = shared_memory.Outbox("worker")
 
-    def background(self, work: Callable[[], object], done: Callable[[object, RequestError | None], None]) -> None:
-        def run() -> None:
-            try:
-                result, error = work(), None
-            except Exception as failure:  # noqa: BLE001 - handed to ``done``
-                result, error = None, as_request_error(failure)
-            done(result, error)
-
-        self.pool.submit(run)
-
     async def Session(self, request_iterator, context):
         replies = _Replies()
         first = await request_iterator.__anext__()
@@ -146,7 +130,8 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
             key,
             self.runtime,
             self.programs,
-            self.background,
+            asyncio.get_running_loop(),
+            self.pool,
             replies.put,
             self.push,
             replies.put_event,
@@ -171,8 +156,11 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
                     batch = await request_iterator.__anext__()
             except StopAsyncIteration:
                 pass
-            except (grpc.aio.AioRpcError, asyncio.CancelledError):
-                pass
+            except grpc.aio.AioRpcError as error:
+                _LOGGER.info("session %s: the proxy's stream ended (%s)", key, error.code().name)
+            except asyncio.CancelledError:
+                replies.close()
+                raise
             except Exception:
                 _LOGGER.exception("session %s failed", key)
             replies.close()

@@ -1,17 +1,22 @@
 """One proxy session's view of a worker: its arrays by id, and the commands that act on them.
 
 Commands arrive in the order the proxy issued them and are served in that
-order without waiting on a device; a command whose inputs are not there yet
-(a chunked upload, an array another worker is sending) is chained onto them.
+order on the worker's event loop, without waiting on a device; a command whose
+inputs are not there yet (a chunked upload, an array another worker is sending)
+is chained onto them. Work that waits (reads, compiles, large puts, pushes to
+peers) runs on the worker's pool and hands its result back to the loop, which
+alone changes the session's state; programs are dispatched by their turn's
+thread (``worker.share``, ``worker.gang``) and touch only their own records.
 Only commands that ask for something (compile, fetch, wait, queries) reply.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 
 import numpy as np
 
@@ -19,6 +24,7 @@ from pathways_nb.core import nonxla, shared_memory, tuning
 from pathways_nb.core.convert import error_of, sharding_from_proto, status_of
 from pathways_nb.core.dataflow import ArrayRecord, Pending, run_after
 from pathways_nb.core.events import EventSink, event
+from pathways_nb.core.loop import call_on
 from pathways_nb.core.memory import release_free_memory
 from pathways_nb.core.string_arrays import StringArray
 from pathways_nb.protocol import dtypes
@@ -62,7 +68,8 @@ class WorkerSession:
         key: str,
         runtime: LocalRuntime,
         programs: Programs,
-        background: Callable[[Callable[[], object], Callable[[object, RequestError | None], None]], None],
+        loop: asyncio.AbstractEventLoop,
+        pool: Executor,
         reply: Callable[[pb.Reply], None],
         push: Callable[[str, pb.ArrayChunk, np.ndarray | None], bool],
         events: EventSink,
@@ -77,7 +84,8 @@ class WorkerSession:
         self._host = host
         self.runtime = runtime
         self.programs = programs
-        self._background = background
+        self.loop = loop
+        self._pool = pool
         self._reply = reply
         self._push = push
         self._events = events
@@ -90,7 +98,6 @@ class WorkerSession:
         # Files for the proxy and peers on this host (None: array bytes only in messages).
         self._outbox = outbox
         self._file_prefix = "".join(c if c.isalnum() or c in "-_." else "_" for c in key) + "-"
-        self.lock = threading.RLock()
         self.arrays: dict[int, ArrayRecord] = {}
         self._uploads: dict[int, bytearray] = {}
         self.closed = False
@@ -112,7 +119,23 @@ class WorkerSession:
         return record
 
     def _derive(self, inputs: Sequence[ArrayRecord], outputs: Sequence[ArrayRecord], work: Callable[[], None]) -> None:
-        run_after(inputs, work, self.lock, outputs)
+        run_after(inputs, work, self.on_loop, outputs)
+
+    def on_loop(self, function: Callable[[], None]) -> None:
+        """Runs ``function`` on the worker's loop (now, if this is it)."""
+        call_on(self.loop, function)
+
+    def _background(self, work: Callable[[], object], done: Callable[[object, RequestError | None], None]) -> None:
+        """Runs blocking ``work`` on the pool, then hands ``done(result, error)`` to the loop."""
+
+        def run() -> None:
+            try:
+                result, error = work(), None
+            except Exception as failure:  # noqa: BLE001 - handed to ``done``
+                result, error = None, as_request_error(failure)
+            self.on_loop(lambda: done(result, error))
+
+        self._pool.submit(run)
 
     # -- serving ---------------------------------------------------------------------------
 
@@ -121,18 +144,17 @@ class WorkerSession:
         body = getattr(command, kind) if kind else None
         if _LOGGER.isEnabledFor(logging.DEBUG):
             _LOGGER.debug("session %s: %s", self.key, str(command).replace("\n", " ")[:300])
-        with self.lock:
-            try:
-                if kind is None:
-                    raise InvalidRequest("a command with no operation")
-                getattr(self, f"_{kind}")(body)
-            except Exception as error:  # noqa: BLE001 - one bad command must not end the session
-                failure = as_request_error(error)
-                request = getattr(body, "request", 0)
-                if request:
-                    self._reply(pb.Reply(request=request, error=status_of(failure)))
-                else:
-                    _LOGGER.debug("session %s: %s failed: %s", self.key, kind, failure.message)
+        try:
+            if kind is None:
+                raise InvalidRequest("a command with no operation")
+            getattr(self, f"_{kind}")(body)
+        except Exception as error:  # noqa: BLE001 - one bad command must not end the session
+            failure = as_request_error(error)
+            request = getattr(body, "request", 0)
+            if request:
+                self._reply(pb.Reply(request=request, error=status_of(failure)))
+            else:
+                _LOGGER.warning("session %s: %s failed: %s", self.key, kind, failure.message)
 
     def _put(self, command: pb.Put) -> None:
         if command.HasField("shared"):
@@ -156,13 +178,31 @@ class WorkerSession:
         self._store(record, command.meta, buffer)
 
     def _store(self, record: ArrayRecord, meta: pb.ArrayMeta, data: bytes | bytearray | pb.SharedFile) -> None:
-        """Puts arrived bytes (or the shared file that holds them) on the devices as ``record``'s value."""
+        """Puts arrived bytes (or the shared file that holds them) on the devices as ``record``'s value.
+
+        A large one on the pool: copying it to the devices on the loop would hold every session's
+        commands for as long (``tuning.OFF_LOOP_BYTES``, as the proxy does for its uploads).
+        """
+
+        def put():
+            host = _take(data) if isinstance(data, pb.SharedFile) else data
+            return self.runtime.put(host_array(host, meta), sharding_from_proto(meta.sharding))
+
+        def done(value, error: RequestError | None) -> None:
+            if error is not None:
+                record.fail(error)
+            else:
+                record.set(value)
+
+        nbytes = data.size if isinstance(data, pb.SharedFile) else len(data)
+        if nbytes >= tuning.OFF_LOOP_BYTES.value:
+            self._background(put, done)
+            return
         try:
-            if isinstance(data, pb.SharedFile):
-                data = _take(data)
-            record.set(self.runtime.put(host_array(data, meta), sharding_from_proto(meta.sharding)))
+            value, error = put(), None
         except RequestError as failure:
-            record.fail(failure)
+            value, error = None, failure
+        done(value, error)
 
     def _assemble(self, command: pb.Assemble) -> None:
         parts = [self._record(i) for i in command.parts]
@@ -267,7 +307,9 @@ class WorkerSession:
             self._order.ready(key, dispatch)
 
         try:
-            run_after([compiled, *args], take_turn, self.lock, results, on_error=lambda _error: self._give_up_turn(key))
+            run_after(
+                [compiled, *args], take_turn, self.on_loop, results, on_error=lambda _error: self._give_up_turn(key)
+            )
         except Exception:
             self._give_up_turn(key)
             raise
@@ -297,24 +339,21 @@ class WorkerSession:
 
         ``timed``: the runtime reports the execution (else whoever follows the program does).
         """
-        with self.lock:
-            if self.closed:
-                return []
-            started = time.time()
-            if started - arrived > 0.001:
-                # Time it waited for its turn (the island's order, or busy devices shared by weight).
-                self._events(event("wait", f"{program.name} waits its turn", program.device_ids, arrived, started))
-            try:
-                values = self.runtime.execute(
-                    program, [a.value for a in args], keep, timed=self._events if timed else None
-                )
-            except Exception as error:  # noqa: BLE001 - the results hold it
-                for record in results:
-                    record.fail(as_request_error(error))
-                return []
-            for record, value in zip(results, values, strict=True):
-                record.set(value)
-            return values
+        if self.closed:
+            return []
+        started = time.time()
+        if started - arrived > 0.001:
+            # Time it waited for its turn (the island's order, or busy devices shared by weight).
+            self._events(event("wait", f"{program.name} waits its turn", program.device_ids, arrived, started))
+        try:
+            values = self.runtime.execute(program, [a.value for a in args], keep, timed=self._events if timed else None)
+        except Exception as error:  # noqa: BLE001 - the results hold it
+            for record in results:
+                record.fail(as_request_error(error))
+            return []
+        for record, value in zip(results, values, strict=True):
+            record.set(value)
+        return values
 
     def _give_up_turn(self, key: str) -> None:
         if key in self._gang_waiting:
@@ -388,7 +427,7 @@ class WorkerSession:
         def on_error(error: RequestError) -> None:
             failed(None, error)
 
-        run_after(records, lambda: self._background(blocking, failed), self.lock, on_error=on_error)
+        run_after(records, lambda: self._background(blocking, failed), self.on_loop, on_error=on_error)
 
     def _forget(self, command: pb.Forget) -> None:
         for array_id in command.ids:
@@ -401,12 +440,13 @@ class WorkerSession:
                 del self.arrays[array_id]
             else:
                 # Still arriving: keep it findable until then (work chained onto it needs its value).
-                record.pending.on_done(lambda _value, _error, i=array_id, r=record: self._drop(i, r))
+                record.pending.on_done(
+                    lambda _value, _error, i=array_id, r=record: self.on_loop(lambda: self._drop(i, r))
+                )
 
     def _drop(self, array_id: int, record: ArrayRecord) -> None:
-        with self.lock:
-            if self.arrays.get(array_id) is record:
-                del self.arrays[array_id]
+        if self.arrays.get(array_id) is record:
+            del self.arrays[array_id]
 
     def _forget_program(self, command: pb.ForgetProgram) -> None:
         self.programs.forget(command.program)
@@ -482,7 +522,7 @@ class WorkerSession:
                     reply = pb.Reply(request=command.request, error=status_of(error))
                 self._reply(reply)
 
-        run_after([source], lambda: self._background(push, pushed), self.lock, on_error=on_error)
+        run_after([source], lambda: self._background(push, pushed), self.on_loop, on_error=on_error)
 
     def _expect(self, command: pb.Expect) -> None:
         record = self.arrays.get(command.id) or self._new(command.id, command.meta)
@@ -491,14 +531,13 @@ class WorkerSession:
 
     def arrive(self, array_id: int, meta: pb.ArrayMeta, data, error: pb.Status | None) -> None:
         """An array pushed by another worker (possibly before its ``Expect``); ``data``: any buffer."""
-        with self.lock:
-            record = self.arrays.get(array_id) or self._new(array_id, meta)
-            if record.ready:
-                return
-            if error is not None:
-                record.fail(error_of(error))
-                return
-            self._store(record, meta, data)
+        record = self.arrays.get(array_id) or self._new(array_id, meta)
+        if record.ready:
+            return
+        if error is not None:
+            record.fail(error_of(error))
+            return
+        self._store(record, meta, data)
 
     def _program_query(self, command: pb.ProgramQuery) -> None:
         program = self.programs.get(command.program)
@@ -539,23 +578,21 @@ class WorkerSession:
             return values
 
         def done(values, error: RequestError | None) -> None:
-            with self.lock:
-                if error is not None:
-                    for record in results:
-                        if not record.ready:
-                            record.fail(error)
-                    status = status_of(error)
-                    self._reply(pb.Reply(request=command.request, error=status))
-                    return
-                for record, value in zip(results, values, strict=True):
-                    record.set(value)
-                self._reply(pb.Reply(request=command.request, done=True))
+            if error is not None:
+                for record in results:
+                    if not record.ready:
+                        record.fail(error)
+                self._reply(pb.Reply(request=command.request, error=status_of(error)))
+                return
+            for record, value in zip(results, values, strict=True):
+                record.set(value)
+            self._reply(pb.Reply(request=command.request, done=True))
 
         def failed(error: RequestError) -> None:
             done(None, error)
 
         flat = [record for argument in args for record in argument]
-        run_after(flat, lambda: self._background(run, done), self.lock, results, on_error=failed)
+        run_after(flat, lambda: self._background(run, done), self.on_loop, results, on_error=failed)
 
     def _layout_query(self, command: pb.LayoutQuery) -> None:
         layout = self.runtime.default_layout(dtypes.to_numpy(command.dtype_kind), command.dims, command.device_id)
@@ -564,12 +601,11 @@ class WorkerSession:
     # -- ending ----------------------------------------------------------------------------
 
     def close(self) -> None:
-        with self.lock:
-            self.closed = True
-            for key in list(self._gang_waiting):
-                self._give_up_turn(key)
-            arrays, self.arrays = self.arrays, {}
-            self._uploads.clear()
+        self.closed = True
+        for key in list(self._gang_waiting):
+            self._give_up_turn(key)
+        arrays, self.arrays = self.arrays, {}
+        self._uploads.clear()
         if self._outbox is not None:
             self._outbox.remove(self._file_prefix)  # replies the proxy will never take
         for record in arrays.values():

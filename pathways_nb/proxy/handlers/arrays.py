@@ -120,13 +120,12 @@ def make_array_from_host_buffer(session, request, op_id):
 
     def arrived(data, error):
         if error is not None:
-            with session.lock:
-                record.fail(error)
+            record.fail(error)
             return
         _put_when_arrived(session, record, lambda: put(data), data.nbytes)
         _record_transfer(session, "upload", f"{dtype}{list(shape)}", sharding, started, data.nbytes)
 
-    upload.on_done(arrived)
+    session.when_done(upload, arrived)
     return session.messages.proxy.MakeArrayFromHostBufferResponse(array_handle=handle)
 
 
@@ -180,12 +179,11 @@ def _make_from_shards(session, handle: int, spec, uploads: list[Pending]) -> Non
 
     def all_arrived(error):
         if error is not None:
-            with session.lock:
-                record.fail(error)
+            record.fail(error)
             return
         _put_when_arrived(session, record, put, sum(u.value.nbytes for u in uploads))
 
-    when_all(uploads, all_arrived)
+    when_all(uploads, lambda error: session.on_loop(lambda: all_arrived(error)))
 
 
 def _put_when_arrived(session, record: ArrayRecord, put, nbytes: int) -> None:
@@ -200,12 +198,11 @@ def _put_when_arrived(session, record: ArrayRecord, put, nbytes: int) -> None:
     if nbytes >= tuning.OFF_LOOP_BYTES.value:
         session.in_background(put, done)
         return
-    with session.lock:
-        try:
-            value, error = put(), None
-        except RequestError as failure:
-            value, error = None, failure
-        done(value, error)
+    try:
+        value, error = put(), None
+    except RequestError as failure:
+        value, error = None, failure
+    done(value, error)
 
 
 @handles("copy_to_host_buffer_request")

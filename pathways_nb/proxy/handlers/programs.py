@@ -334,17 +334,16 @@ def fetch_execute_result(session, request, op_id):
     pending = session.take_future(request.result_status_handle)
 
     def done(_value, error):
-        with session.lock:
-            if error is not None:
-                session.reply_error(op_id, error)
-            else:
-                session.reply(
-                    op_id,
-                    "loaded_executable_fetch_execute_result_response",
-                    session.messages.proxy.LoadedExecutableFetchExecuteResultResponse(),
-                )
+        if error is not None:
+            session.reply_error(op_id, error)
+        else:
+            session.reply(
+                op_id,
+                "loaded_executable_fetch_execute_result_response",
+                session.messages.proxy.LoadedExecutableFetchExecuteResultResponse(),
+            )
 
-    pending.on_done(done)
+    session.when_done(pending, done)
     return DEFERRED
 
 

@@ -19,7 +19,7 @@ RUNTIME_TYPE = "pathways"
 
 @handles("init_request")
 def init(session, request, op_id):
-    """Gets the session's devices (off the stream: a cluster may make it wait) and describes them."""
+    """Gets the session's devices (awaited on the loop: a cluster may make it wait) and describes them."""
 
     def described(runtime, error):
         if error is not None:
@@ -27,7 +27,7 @@ def init(session, request, op_id):
         else:
             session.reply(op_id, "init_response", _describe(session, runtime))
 
-    session.in_background(session.open_devices, described, pool=session.context.compile_pool)
+    session.open_devices(described)
     return DEFERRED
 
 
@@ -82,13 +82,12 @@ def check_future(session, request, op_id):
     pending = session.take_future(request.future_handle)
 
     def done(_value, error):
-        with session.lock:
-            if error is not None:
-                session.reply_error(op_id, error)
-            else:
-                session.reply(op_id, "check_future_response", session.messages.proxy.CheckFutureResponse())
+        if error is not None:
+            session.reply_error(op_id, error)
+        else:
+            session.reply(op_id, "check_future_response", session.messages.proxy.CheckFutureResponse())
 
-    pending.on_done(done)
+    session.when_done(pending, done)
     return DEFERRED
 
 

@@ -1,0 +1,187 @@
+"""A server's event loop: handing work to it from other threads, timers, and the watchdog that proves it never waits.
+
+Every server (proxy, resource manager, worker, colocated host) serves on one asyncio loop, and the
+rule is that nothing on it waits: a blocking call, a lock held by another thread, a long
+computation stall every client of that server at once. Work that waits runs on a pool, and its
+result comes back to the loop with ``call_on``; nothing holds a lock across the two.
+
+``LoopWatchdog`` is the proof, as dask's tick monitor is: the loop stamps a tick every
+``tuning.LOOP_TICK_S``; a thread of the watchdog's own notices when no tick came for
+``tuning.LOOP_STALL_S``, captures where the loop's thread is (its Python stack) and logs it once, and
+the late tick records the stall, how long it was, and whether the thread was running a callback
+(what the rule forbids) or waiting in its selector for a CPU (a busy machine, not a bug). Servers
+answer ``Diagnostics.GetLoopStats`` with the counts, which tests and benchmarks read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import logging
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from pathways_nb.core import tuning
+from pathways_nb.rpc import cluster_pb2 as pb
+
+_LOGGER = logging.getLogger(__name__)
+
+# Stalls kept for the stats, the longest first.
+_KEPT_STALLS = 8
+# Frames of the loop's thread named in a stall's ``where``.
+_WHERE_FRAMES = 6
+
+
+def on_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether the calling thread is the one running ``loop``."""
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
+def call_on(loop: asyncio.AbstractEventLoop, function: Callable[..., Any], *args: Any) -> None:
+    """Runs ``function(*args)`` on ``loop``: now if this is its thread, else as soon as it turns.
+
+    A closed loop (the process is stopping) drops it.
+    """
+    if on_loop_thread(loop):
+        function(*args)
+        return
+    try:
+        loop.call_soon_threadsafe(function, *args)
+    except RuntimeError:
+        _LOGGER.debug("the loop is closed; dropped %r", function)
+
+
+class Later:
+    """A call scheduled on a loop from any thread; ``cancel()`` from any thread before it runs and it never does."""
+
+    __slots__ = ("_cancelled", "_handle", "_loop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, delay_s: float, function: Callable[[], None]):
+        self._loop = loop
+        self._handle: asyncio.TimerHandle | None = None
+        self._cancelled = False
+        call_on(loop, self._schedule, delay_s, function)
+
+    def _schedule(self, delay_s: float, function: Callable[[], None]) -> None:
+        if not self._cancelled:
+            self._handle = self._loop.call_later(delay_s, function)
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        call_on(self._loop, self._cancel_handle)
+
+    def _cancel_handle(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+
+class LoopWatchdog:
+    """Notices, logs and counts the times ``loop`` does not turn for ``tuning.LOOP_STALL_S``."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, process: str):
+        self.process = process
+        self._loop = loop
+        self._tick_s = tuning.LOOP_TICK_S.value
+        self._stall_s = tuning.LOOP_STALL_S.value
+        self._started = time.monotonic()
+        self._last_tick = self._started
+        self._loop_thread: int | None = None
+        self._seen: tuple[float, str, bool] | None = None  # the stall under way: (its last tick, where, in a callback)
+        self._lock = threading.Lock()  # guards the counts below (the loop writes them, any thread reads them)
+        self._stalls = 0
+        self._in_callbacks = 0
+        self._total_s = 0.0
+        self._longest_callback_s = 0.0
+        self._longest: list[tuple[float, float, bool, str]] = []  # a min-heap of (seconds, ended, ...)
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name=f"pathways-watchdog-{process}", daemon=True)
+
+    def start(self) -> None:
+        """Starts watching (from any thread, once the loop runs)."""
+        call_on(self._loop, self._first_tick)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    # -- on the loop ---------------------------------------------------------------------------
+
+    def _first_tick(self) -> None:
+        self._loop_thread = threading.get_ident()
+        self._tick()
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        late_s = now - self._last_tick - self._tick_s
+        if late_s >= self._stall_s:
+            self._record(late_s, now)
+        self._last_tick = now
+        if not self._stopped.is_set():
+            self._loop.call_later(self._tick_s, self._tick)
+
+    def _record(self, seconds: float, now: float) -> None:
+        seen = self._seen
+        self._seen = None
+        where, in_callback = (seen[1], seen[2]) if seen is not None else ("(not seen: the watchdog was late too)", True)
+        ended = time.time()
+        with self._lock:
+            self._stalls += 1
+            self._total_s += seconds
+            if in_callback:
+                self._in_callbacks += 1
+                self._longest_callback_s = max(self._longest_callback_s, seconds)
+            entry = (seconds, ended, in_callback, where)
+            if len(self._longest) < _KEPT_STALLS:
+                heapq.heappush(self._longest, entry)
+            else:
+                heapq.heappushpop(self._longest, entry)
+        level = logging.WARNING if in_callback else logging.INFO
+        _LOGGER.log(level, "%s: the event loop did not turn for %.2f s; it was in:\n%s", self.process, seconds, where)
+
+    # -- the watchdog's own thread --------------------------------------------------------------
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(self._tick_s):
+            last = self._last_tick
+            if time.monotonic() - last < self._stall_s or (self._seen is not None and self._seen[0] == last):
+                continue
+            where, in_callback = self._where()
+            self._seen = (last, where, in_callback)
+
+    def _where(self) -> tuple[str, bool]:
+        """The loop thread's innermost frames, and whether it is running a callback (not in its selector)."""
+        frame = sys._current_frames().get(self._loop_thread) if self._loop_thread is not None else None
+        if frame is None:
+            return "(the loop's thread is not running Python)", True
+        frames = traceback.extract_stack(frame)[-_WHERE_FRAMES:]
+        innermost = frames[-1] if frames else None
+        waiting = innermost is not None and innermost.filename.endswith("selectors.py")
+        return "".join(traceback.format_list(frames)).rstrip(), not waiting
+
+    # -- what tests and benchmarks read ------------------------------------------------------------
+
+    def stats(self) -> pb.LoopStats:
+        with self._lock:
+            longest = sorted(self._longest, reverse=True)
+            stats = pb.LoopStats(
+                process=self.process,
+                watched_s=time.monotonic() - self._started,
+                stalls=self._stalls,
+                stalls_in_callbacks=self._in_callbacks,
+                total_stall_s=self._total_s,
+                longest_callback_stall_s=self._longest_callback_s,
+            )
+        for seconds, ended, in_callback, where in longest:
+            stats.longest.add(seconds=seconds, ended=ended, in_callback=in_callback, where=where)
+        stats.longest_stall_s = max((s.seconds for s in stats.longest), default=0.0)
+        return stats
