@@ -182,8 +182,8 @@ class Outbox:
             for path in directory.path.iterdir():
                 if path.name.startswith(prefix):
                     path.unlink(missing_ok=True)
-        except OSError:
-            pass
+        except OSError as error:
+            _LOGGER.warning("could not remove the files %s* of %s: %s", prefix, directory.path, error)
 
 
 def discard(path: str | os.PathLike) -> None:

@@ -93,6 +93,7 @@ class ClusterRuntime:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._leases: Leases | None = None
         self._watch_task: asyncio.Task | None = None
+        self._owns_loop = False  # (used without a proxy server: the loop thread is its own, stopped by close)
         self._closed = False
         # Programs no one can run any more (see ``compile``), until the loop tells their workers.
         self._dropped: list[tuple] = []
@@ -181,6 +182,7 @@ class ClusterRuntime:
             if self._loop is not None:
                 return self._loop
             self._loop = loop = asyncio.new_event_loop()
+            self._owns_loop = True
         threading.Thread(target=loop.run_forever, name="pathways-links", daemon=True).start()
         self._start_watching(loop)
         return loop
@@ -472,6 +474,8 @@ class ClusterRuntime:
         for link in self._control.values():
             link.close()
         self._channel.close()
+        if self._owns_loop:  # after the links' last callbacks on it
+            self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 def _once(function: Callable[[], None]) -> Callable[[], None]:

@@ -630,9 +630,7 @@ class ClusterSession:
         self._lease.release()
 
 
-def _fail_if_not_sent(
-    error: BaseException | None, source: WorkerLink, target: WorkerLink, array_id: int, meta
-) -> None:
+def _fail_if_not_sent(error: BaseException | None, source: WorkerLink, target: WorkerLink, array_id: int, meta) -> None:
     """A send whose worker was lost or could not push: the target's expected array fails instead of waiting forever."""
     if error is None:
         return

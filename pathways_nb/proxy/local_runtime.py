@@ -38,7 +38,8 @@ class LocalProxyRuntime:
         """Nothing runs on the proxy's loop: the devices are this process's own."""
 
     def close(self) -> None:
-        """Nothing to close: the devices go with the process."""
+        """Stops following executions (the devices themselves go with the process)."""
+        self.runtime.close()
 
     def cluster_state(self) -> pb.ClusterState:
         """This process as a one-island cluster whose sessions all share every device."""

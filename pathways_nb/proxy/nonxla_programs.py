@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from pathways_nb.core import nonxla, session_options, tuning
 from pathways_nb.core.dataflow import ArrayRecord, Pending
+from pathways_nb.core.followers import wait_until_ended
 from pathways_nb.protocol.errors import Code, InvalidRequest, RequestError, as_request_error
 from pathways_nb.proxy.dispatch import DEFERRED
 
@@ -221,7 +222,4 @@ def _wait_for(records: list[ArrayRecord]) -> None:
         arrived.wait(tuning.EARLIER_WORK_WAIT_S.value)
         value = record.value
         if value is not None and not record.is_deleted:
-            try:
-                value.block_until_ready()
-            except Exception:  # noqa: BLE001 - an earlier program's failure is reported through its own results
-                pass
+            wait_until_ended([value])  # (an earlier program's failure is reported by its own results)

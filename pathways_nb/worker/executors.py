@@ -182,8 +182,8 @@ class SessionExecutor:
             for event in running.events:
                 if event.HasField("exited"):
                     running.exit = event.exited
-        except grpc.RpcError:
-            pass
+        except grpc.RpcError as error:  # the host ended the call: the executor is gone (its exit said how, if it could)
+            _LOGGER.info("the executor's host ended its call: %s", error.code().name)
         running.ended.set()
 
     def _lost(self, running: _Running, name: str, error: grpc.RpcError) -> RequestError:

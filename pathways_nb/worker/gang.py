@@ -10,11 +10,11 @@ weight, through the island's own ``FairShare``, see
 ``WorkerSession._assign_step``) and tells the other hosts; every host, host 0
 too, dispatches step n only once steps 0..n-1 are dispatched and its own part
 of step n is ready (arguments there). Dispatch runs on one thread per island order, which never
-holds the order's lock while it runs a program, so no lock of a session is
-ever taken inside it. At most ``tuning.GANG_MAX_IN_FLIGHT`` such programs are in flight:
-with more, XLA's CPU collectives can wait on each other's threads and never
-finish (a plain multi-process JAX loop of 2000 ``psum`` steps hangs the same
-way on jaxlib 0.10.2), so the dispatcher waits for the oldest first.
+holds the order's lock while it runs a program. At most ``tuning.GANG_MAX_IN_FLIGHT`` such
+programs are in flight: with more, XLA's CPU collectives can wait on each other's threads and
+never finish (a plain multi-process JAX loop of 2000 ``psum`` steps hangs the same way on jaxlib
+0.10.2), so the dispatcher waits for a slot, which a ``core.followers.Follower`` frees when the
+oldest has run.
 
 A step's turn (``Turn``) ends when its part has run on every host, not only on
 host 0: each other host answers host 0's ``OrderGang`` once its parts of those
@@ -26,7 +26,6 @@ given, and the weights would decide nothing.
 
 from __future__ import annotations
 
-import collections
 import logging
 import queue
 import threading
@@ -34,6 +33,7 @@ from collections.abc import Callable, Sequence
 
 from pathways_nb.core import tuning
 from pathways_nb.core.dataflow import Pending
+from pathways_nb.core.followers import Follower
 from pathways_nb.worker.share import FairShare
 
 _LOGGER = logging.getLogger(__name__)
@@ -62,9 +62,7 @@ class Turn:
 
     def block_until_ready(self) -> None:
         for part in (self.ran, *self._others):
-            done = threading.Event()
-            part.on_done(lambda _value, _error, done=done: done.set())
-            done.wait()
+            part.wait()
 
 
 class IslandOrder:
@@ -79,11 +77,11 @@ class IslandOrder:
         self._ready: dict[str, Dispatch | None] = {}
         self._turns: dict[str, Turn] = {}  # the steps ordered whose part here has not been dispatched
         self._runnable: queue.SimpleQueue = queue.SimpleQueue()
-        self._dispatched: queue.SimpleQueue = queue.SimpleQueue()  # (turn, outputs), until they are ready
-        self._thread = threading.Thread(target=self._dispatch_forever, name="pathways-gang", daemon=True)
+        self._slots = threading.Semaphore(tuning.GANG_MAX_IN_FLIGHT.value)
+        self._closed = False
+        self._follower = Follower("gang")
+        self._thread = threading.Thread(target=self._dispatch_until_closed, name="pathways-gang", daemon=True)
         self._thread.start()
-        self._follower = threading.Thread(target=self._follow_forever, name="pathways-gang-follow", daemon=True)
-        self._follower.start()
         # Host 0: who gets the next step while several tenants saturate the island. Apart from the
         # share of the host's own devices, so that no step waits behind a one-host program that
         # waits for the step's turn, or the other way round. A tenant alone on the island gets at
@@ -132,32 +130,29 @@ class IslandOrder:
             else:
                 turn.ran.resolve(None)
 
-    def _dispatch_forever(self) -> None:
-        in_flight: collections.deque = collections.deque()
-        while True:
-            dispatch, turn = self._runnable.get()
-            while len(in_flight) >= tuning.GANG_MAX_IN_FLIGHT.value:
-                _wait(in_flight.popleft())
+    def _dispatch_until_closed(self) -> None:
+        while (item := self._runnable.get()) is not None:
+            dispatch, turn = item
+            self._slots.acquire()  # freed once the oldest part in flight has run (or by ``close``)
+            if self._closed:
+                turn.ran.resolve(None)
+                continue
             outputs: list = []
             try:
                 outputs = list(dispatch())
             except Exception:
                 _LOGGER.exception("dispatching an island program failed")
-            in_flight.append(outputs)
-            self._dispatched.put((turn, outputs))
+            self._follower.follow(outputs, lambda _failed, turn=turn: self._ran(turn))
 
-    def _follow_forever(self) -> None:
-        """Tells each dispatched step's turn when its part here has run, in dispatch order."""
-        while True:
-            turn, outputs = self._dispatched.get()
-            _wait(outputs)
-            turn.ran.resolve(None)
+    def _ran(self, turn: Turn) -> None:
+        self._slots.release()
+        turn.ran.resolve(None)
 
-
-def _wait(outputs: Sequence) -> None:
-    """Until a dispatched part's outputs are computed (one of them: they finish together); failed ones too."""
-    for output in outputs[:1]:
-        try:
-            output.block_until_ready()
-        except Exception:  # noqa: BLE001 - a failed program is finished too
-            pass
+    def close(self) -> None:
+        """Stops dispatching (parts still waiting for their turn never run) and following."""
+        self._closed = True
+        self._runnable.put(None)
+        self._slots.release(tuning.GANG_MAX_IN_FLIGHT.value)
+        self._thread.join(timeout=5)
+        self._follower.close()
+        self.share.close()

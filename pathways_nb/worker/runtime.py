@@ -115,6 +115,10 @@ class LocalRuntime:
         # Programs are read in a child process first: a corrupted one must not abort this server.
         self.program_checker = ProgramChecker()
 
+    def close(self) -> None:
+        """Stops following executions (the devices themselves go with the process)."""
+        self.timer.close()
+
     @property
     def device_ids(self) -> tuple[int, ...]:
         return tuple(d.id for d in self.devices)

@@ -238,6 +238,7 @@ class WorkerServer:
             self._attachment[1].set()  # ends the Attach stream: the resource manager finds this worker gone
         self._server.stop(grace_s)
         self.service.close()
+        self.runtime.close()
 
     def wait(self, timeout_s: float | None = None) -> bool:
         return self._server.wait(timeout_s)

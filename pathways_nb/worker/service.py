@@ -283,6 +283,8 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
             session.close()
         if self.colocated is not None:
             self.colocated.close()
+        self.island_order.close()
+        self.share.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 

@@ -506,8 +506,8 @@ class WorkerSession:
             """The peer's copy fails with ``error`` (if the peer cannot be told, the proxy tells it: ``pushed``)."""
             try:
                 self._push(command.peer_address, header(error), None)
-            except RequestError:
-                pass
+            except RequestError as unreachable:
+                _LOGGER.warning("session %s: the peer could not be told: %s", self.key, unreachable.message)
 
         def on_error(error: RequestError) -> None:
             tell_peer(error)

@@ -12,24 +12,27 @@ program finishes). Over a busy minute each tenant's device time then follows
 its weight; a tenant that was idle does not bank credit (its virtual time is
 brought up to the least active one's when it returns).
 
-One thread learns when each program's results are ready, and from that alone
-charges its tenant, releases the next dispatch and reports the program's busy
-interval on its devices (``Finished``: the worker's ``execute`` events), so a
-program costs the worker one wake-up while the device computes; none if its
-results are ready when its dispatch returns (XLA's CPU client runs a small
-program inside the dispatch) and no older program is still followed: then the
-dispatching thread does that at once.
+A ``core.followers.Follower`` learns when each program's results are ready, and
+from that alone the share charges its tenant, releases the next dispatch and
+reports the program's busy interval on its devices (``Finished``: the worker's
+``execute`` events), so a program costs the worker one wake-up while the device
+computes; none if its results are ready when its dispatch returns (XLA's CPU
+client runs a small program inside the dispatch) and no older program is still
+followed. Programs whose turn comes when another ends are started on the
+follower's thread, one after the other (never by recursion on the thread that
+dispatched: a chain of small programs would nest as deep as it is long).
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from pathways_nb.core.followers import Follower
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -71,11 +74,7 @@ class FairShare:
         self._in_flight = 0
         self._last_end = 0.0
         self._device_end: dict[int, float] = {}
-        # Dispatched programs to follow, and lists of programs to start.
-        self._running: queue.SimpleQueue = queue.SimpleQueue()
-        self._followed = 0  # programs handed to the thread that it has not finished yet
-        self._thread = threading.Thread(target=self._follow_forever, name="pathways-share", daemon=True)
-        self._thread.start()
+        self._follower = Follower("share")
 
     def submit(
         self,
@@ -100,6 +99,9 @@ class FairShare:
                 return
             self._start(entry)
         self._run(tenant, program)
+
+    def close(self) -> None:
+        self._follower.close()
 
     def device_seconds(self) -> dict[str, float]:
         """Device time each tenant has used on these devices."""
@@ -142,55 +144,31 @@ class FairShare:
     # -- running and finishing -------------------------------------------------------------
 
     def _run(self, tenant: str, program: _Program) -> None:
+        """Dispatches ``program``; when it ends, starts what may start then (on the follower's thread)."""
         started = time.time()
         try:
             outputs = list(program.dispatch())
         except Exception:
             outputs = []
-            _LOGGER.debug("a program failed to dispatch", exc_info=True)
-        with self._lock:
-            at_once = not self._followed and all(output.is_ready() for output in outputs[:1])
-            if not at_once:
-                self._followed += 1
-        if not at_once:
-            self._running.put((tenant, program, outputs, started))
-            return
-        ready = self._finish(tenant, program, outputs, started)
-        if ready:
-            # Started by the thread: this caller may hold its own session's lock, their dispatch takes theirs.
-            self._running.put(ready)
+            _LOGGER.warning("a program of %s failed to dispatch", tenant, exc_info=True)
 
-    def _follow_forever(self) -> None:
-        """Waits for each dispatched program's results in dispatch order, finishes it, starts what may start."""
-        while True:
-            item = self._running.get()
-            if isinstance(item, list):  # programs whose turn came when another's results were ready at once
-                ready = item
-            else:
-                tenant, program, outputs, dispatched = item
-                for output in outputs[:1]:
-                    try:
-                        output.block_until_ready()
-                    except Exception:  # noqa: BLE001 - a failed program used the devices too (``_finish`` sees it)
-                        pass
-                ready = self._finish(tenant, program, outputs, dispatched, followed=True)
-            for name, next_program in ready:
-                self._run(name, next_program)
+        def ended(failed: bool) -> None:
+            ready = self._finish(tenant, program, outputs, started, failed)
+            if ready:
+                self._follower.call(lambda: self._start_all(ready))
+
+        self._follower.follow(outputs, ended)
+
+    def _start_all(self, ready: list[tuple[str, _Program]]) -> None:
+        for name, next_program in ready:
+            self._run(name, next_program)
 
     def _finish(
-        self, tenant: str, program: _Program, outputs: list, dispatched: float, followed: bool = False
+        self, tenant: str, program: _Program, outputs: list, dispatched: float, failed: bool
     ) -> list[tuple[str, _Program]]:
         """Charges the tenant of a program whose results are ready and reports it; returns what may start now."""
-        failed = False
-        for output in outputs[:1]:
-            try:
-                output.block_until_ready()
-            except Exception:  # noqa: BLE001 - a failed program used the devices too
-                failed = True
         end = time.time()
         with self._lock:
-            if followed:
-                self._followed -= 1
             busy = max(0.0, end - max(dispatched, self._last_end))
             self._last_end = end
             start = max([dispatched, *(self._device_end.get(d, 0.0) for d in program.devices)])
