@@ -297,6 +297,12 @@ class LocalCluster:
             stub = cluster_pb2_grpc.ResourceManagerStub(channel)
             return stub.GetClusterState(pb.ClusterStateRequest(), timeout=10)
 
+    def loop_stats(self) -> list[pb.LoopStats]:
+        """How every process's event loop has turned (its watchdog's counts: ``core.loop``), one entry each."""
+        addresses = [child.hostport for child in (self.resource_manager, self.proxy, *self.workers.values()) if child]
+        addresses += [f"unix:{self._colocated_socket(*place)}" for place in self.colocated_hosts]
+        return [loop_stats(address, self.credentials) for address in addresses]
+
     def kill_worker(self, island: int, host: int = 0) -> None:
         """Kills a worker process (SIGKILL), as a crash would."""
         worker = self.workers[(island, host)]
@@ -373,6 +379,12 @@ class LocalCluster:
             f"<LocalCluster {self.status.value}{where}: {spec.islands} island(s) x {spec.hosts_per_island} host(s) "
             f"x {spec.devices_per_host} {spec.platform} device(s)>"
         )
+
+
+def loop_stats(address: str, credentials: ClusterCredentials) -> pb.LoopStats:
+    """The loop watchdog's counts of the server at ``address`` (``host:port`` or ``unix:PATH``)."""
+    with credentials.channel(address) as channel:
+        return cluster_pb2_grpc.DiagnosticsStub(channel).GetLoopStats(pb.LoopStatsRequest(), timeout=10)
 
 
 def token_for(address: str) -> str | None:
