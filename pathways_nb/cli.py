@@ -83,6 +83,7 @@ def _serve_resource_manager(args: argparse.Namespace) -> int:
 
 def _serve_worker(args: argparse.Namespace) -> int:
     from pathways_nb.core.storage import StorageRoot, default_root
+    from pathways_nb.launch.members import GroupMembers, decode_membership
     from pathways_nb.launch.processes import StopRequest
     from pathways_nb.worker.island import IslandMembership
     from pathways_nb.worker.runtime import LocalRuntime
@@ -92,16 +93,30 @@ def _serve_worker(args: argparse.Namespace) -> int:
     started = time.monotonic()
     # The collectives between hosts use the address the others reach this host at (not a wildcard).
     reachable = args.advertise_address or (None if args.host in ("0.0.0.0", "::", "[::]") else args.host)
-    island = IslandMembership(
-        args.hosts_per_island, args.host_index, args.coordinator_address or "", args.host, collectives_host=reachable
-    )
+    group = decode_membership(args.group_member) if args.group_member else None
+    if group is not None:  # a member of a group of islands, started by this host's worker (launch.members)
+        island = IslandMembership(
+            group.members, group.member, group.coordinator_address, args.host, collectives_host=reachable
+        )
+        members = None
+    else:
+        island = IslandMembership(
+            args.hosts_per_island,
+            args.host_index,
+            args.coordinator_address or "",
+            args.host,
+            collectives_host=reachable,
+        )
+        members = GroupMembers(
+            lambda membership: _member_arguments(args, membership), reachable or "127.0.0.1", args.host
+        )
     island.check()
     runtime = LocalRuntime(args.platform, args.devices, island=island, colocated_python=args.colocated_python)
     server = WorkerServer(
         runtime,
         args.resource_manager_address,
-        island=args.island,
-        host_index=args.host_index,
+        island=group.island if group is not None else args.island,
+        host_index=group.host_index if group is not None else args.host_index,
         port=args.server_port,
         host=args.host,
         advertise_address=args.advertise_address,
@@ -109,12 +124,43 @@ def _serve_worker(args: argparse.Namespace) -> int:
         colocated_python_host=args.colocated_python_host,
         storage=StorageRoot(args.storage_root or default_root()),
         on_fatal=stop.fail,
+        members=members,
+        group=group,
     )
     message = (
         f"pathways-nb worker {server.registration.worker_id} at {server.address} with "
         f"{len(runtime.devices)} {runtime.platform} device(s) {list(server.registration.device_ids)}"
     )
     return _serve(server, message, started, args.port_file, stop)
+
+
+def _member_arguments(args: argparse.Namespace, membership) -> list[str]:
+    """The ``pathways-nb`` arguments of this worker's member of a group (its settings, the group's place)."""
+    arguments = [
+        "worker",
+        "--resource_manager_address",
+        args.resource_manager_address,
+        "--server_port",
+        "0",
+        "--host",
+        args.host,
+        "--platform",
+        args.platform,
+        "--log_level",
+        args.log_level,
+    ]
+    for flag, value in (
+        ("--advertise_address", args.advertise_address),
+        ("--devices", args.devices),
+        ("--storage_root", args.storage_root),
+        ("--token_file", args.token_file),
+        ("--tls_cert", args.tls_cert),
+        ("--tls_key", args.tls_key),
+        ("--tls_ca", args.tls_ca),
+    ):
+        if value is not None:
+            arguments += [flag, str(value)]
+    return arguments
 
 
 def _serve_colocated_host(args: argparse.Namespace) -> int:
@@ -345,6 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="unix:PATH of this host's pathways-nb colocated-host, which starts the executors",
     )
     worker.add_argument("--port_file", default=None, help="write the bound port to this file once serving")
+    # Set by a worker for the member processes it starts (launch.members): not for people.
+    worker.add_argument("--group_member", default=None, help=argparse.SUPPRESS)
     _add_storage_root(worker, "the worker writes profiles and checkpoints that clients ask for")
     security.add_arguments(worker, serve_tls=True, call_tls=True)
     worker.set_defaults(run=_serve_worker)

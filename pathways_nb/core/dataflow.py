@@ -177,6 +177,15 @@ class ArrayRecord:
         record.fail(error)
         return record
 
+    @classmethod
+    def gate(cls, pending: Pending) -> ArrayRecord:
+        """A record with no value that is ready when ``pending`` is, failed with its error (work chains onto it)."""
+        record = cls(0, (), None)
+        pending.on_done(
+            lambda _value, error: record.set(None) if error is None else record.fail(as_request_error(error))
+        )
+        return record
+
     @property
     def nbytes(self) -> int:
         """Bytes the value takes on its devices, per copy (tokens, host strings: none); raises for unknown dtypes."""

@@ -251,6 +251,11 @@ GANG_MAX_IN_FLIGHT = _define(
 GANG_ALONE_AHEAD = _define(
     "gang_alone_ahead", 4, "steps a tenant alone on an island is handed out ahead of their end on every host"
 )
+GROUP_FORM_TIMEOUT_S = _define(
+    "group_form_timeout_s",
+    120.0,
+    "how long the member processes of a group of islands may take to start and join their runtime",
+)
 MAX_PROGRAM_BYTES = _define("max_program_bytes", 4 << 20, "the largest plugin or custom-call program text")
 
 # -- retries and the event loops -----------------------------------------------------------------------

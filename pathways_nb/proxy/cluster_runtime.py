@@ -27,6 +27,7 @@ from pathways_nb.core import nonxla, tuning
 from pathways_nb.core.convert import program_from_proto
 from pathways_nb.core.dataflow import Pending, when_all
 from pathways_nb.core.events import EventSink
+from pathways_nb.core.islands import group_name
 from pathways_nb.core.loop import call_on
 from pathways_nb.core.retry import Retry
 from pathways_nb.core.runtime_api import (
@@ -44,6 +45,20 @@ from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
 
 _LOGGER = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupPlacement:
+    """Where the arrays and programs over a group of islands live: each device's twin on the group's members.
+
+    ``island`` is a number of the proxy's own for the group (negative, never an island's), so that the
+    group's members are one island of several hosts to everything that groups links by island.
+    """
+
+    name: str
+    island: int
+    epoch: int
+    devices: dict[int, pb.Device]  # the client's device id -> its member device
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -97,6 +112,10 @@ class ClusterRuntime:
         self._closed = False
         # Programs no one can run any more (see ``compile``), until the loop tells their workers.
         self._dropped: list[tuple] = []
+        # Groups of islands as the watch (or a FormGroup) last told, their numbers, and the formings under way.
+        self._groups: dict[str, pb.GroupState] = {}
+        self._group_islands: dict[str, int] = {}
+        self._forming: dict[str, Pending] = {}
 
     # -- cluster state ---------------------------------------------------------------------
 
@@ -140,6 +159,74 @@ class ClusterRuntime:
             if not worker.healthy:
                 for session in list(self._sessions):
                     session.worker_down(worker)
+        self._update_groups(state.groups)
+
+    # -- groups of islands (multislice) ---------------------------------------------------------
+
+    def _update_groups(self, groups) -> None:
+        """Takes the groups' states: their members are workers too, and a group that went down fails its links."""
+        with self._lock:
+            for group in groups:
+                self._groups[group.group] = group
+                self._workers.update((m.worker_id, m) for m in group.members)
+        for group in groups:
+            for member in group.members:
+                if not member.healthy:
+                    for session in list(self._sessions):
+                        session.worker_down(member)
+
+    def group(self, islands) -> Pending:
+        """The placement of a group of islands, once it serves (never waits: the forming is awaited on the loop).
+
+        Fails with ``WorkerLost`` (DATA_LOSS) naming the host that keeps it from serving.
+        """
+        name = group_name(islands)
+        loop = self.loop  # (before the lock, which ``loop`` takes)
+        with self._lock:
+            state = self._groups.get(name)
+            if state is not None and state.healthy:
+                placed = Pending()
+                placed.resolve(self._placement(state))
+                return placed
+            forming = self._forming.get(name)
+            if forming is None:
+                forming = self._forming[name] = Pending()
+                call_on(loop, lambda: loop.create_task(self._form(name, sorted(set(islands)), forming)))
+            return forming
+
+    async def _form(self, name: str, islands: list[int], forming: Pending) -> None:
+        stub = cluster_pb2_grpc.ResourceManagerStub(self.credentials.aio_channel(self.rm_address))
+        request = pb.FormGroupRequest(islands=islands)
+        try:
+            state = await stub.FormGroup(
+                request, metadata=self.credentials.call_metadata(), timeout=tuning.GROUP_FORM_TIMEOUT_S.value + 30
+            )
+        except grpc.aio.AioRpcError as error:
+            failure = from_rpc_error(error)
+            if error.code() == grpc.StatusCode.UNAVAILABLE:  # a host is down: the work fails as on its island
+                failure = WorkerLost(f"{failure.message}. Programs over one island keep running on the others")
+            with self._lock:
+                self._forming.pop(name, None)
+            forming.fail(failure)
+            return
+        self._update_groups([state])
+        with self._lock:
+            self._forming.pop(name, None)
+            placement = self._placement(state)
+        forming.resolve(placement)
+
+    def _placement(self, state: pb.GroupState) -> GroupPlacement:
+        """(Under the lock.)"""
+        number = self._group_islands.setdefault(state.group, -1 - len(self._group_islands))
+        order = {m.worker_id: k for k, m in enumerate(state.members)}
+        devices = {}
+        for device in state.devices:
+            member = pb.Device()
+            member.CopyFrom(device)
+            # One island of several hosts, as far as links go: its own number, the member's index as host.
+            member.island, member.host_index = number, order[device.worker_id]
+            devices[device.id] = member
+        return GroupPlacement(state.group, number, state.epoch, devices)
 
     def worker(self, worker_id: str) -> pb.WorkerState | None:
         with self._lock:
@@ -156,6 +243,11 @@ class ClusterRuntime:
         """The error for work on a device whose worker the cluster reports down (with why, when it knows)."""
         worker = self.worker(device.worker_id)
         reason = f" ({worker.down_reason})" if worker is not None and worker.down_reason else ""
+        if device.group:
+            return WorkerLost(
+                f"{device.place} is down{reason}; work over islands {device.group} fails until the group is formed "
+                "again, once its hosts are back. Programs over one island keep running"
+            )
         return WorkerLost(
             f"island {device.island} host {device.host_index} ({device.worker_address}) is down{reason}; "
             f"work on island {device.island} fails until its worker is back. Other islands keep serving"

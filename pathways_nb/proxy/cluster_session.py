@@ -26,6 +26,8 @@ from pathways_nb.core import nonxla, string_arrays, tuning
 from pathways_nb.core.convert import array_meta, status_of
 from pathways_nb.core.dataflow import Pending, fulfil
 from pathways_nb.core.events import EventSink
+from pathways_nb.core.islands import group_name
+from pathways_nb.core.loop import on_loop_thread
 from pathways_nb.core.runtime_api import (
     DeviceDescription,
     check_assemble_parts,
@@ -225,13 +227,50 @@ class ClusterSession:
         if link is not None and link.alive and link.incarnation == worker.incarnation:
             link.declare_lost(worker.down_reason or "the resource manager lost it")
 
-    def _worker_ids(self, sharding: IfrtSharding) -> list[str]:
-        return sorted({self._device(d).worker_id for d in sharding.device_ids})
+    # -- where arrays and programs live ----------------------------------------------------------
 
-    def _local(self, sharding: IfrtSharding) -> IfrtSharding:
-        """The sharding in its worker's local device ids."""
+    def _where(self, device_ids: Sequence[int]) -> dict[int, pb.Device]:
+        """Where an array or program over exactly ``device_ids`` lives: each device's own worker if they are
+        of one island, else each device's twin on the members of the group of their islands (``rm.groups``).
+
+        Off the loop this waits for the group to form; on the loop it must already serve (``placement_waits``).
+        """
+        devices = {d: self._device(d) for d in device_ids}
+        islands = {device.island for device in devices.values()}
+        if len(islands) <= 1:
+            return devices
+        placement = self.cluster.group(islands)
+        if not placement.done and on_loop_thread(self.cluster.loop):
+            # (New arrays and programs check ``placement_waits`` first; an array of a group that is not serving now
+            # was lost with it.)
+            raise WorkerLost(
+                f"the group of islands {group_name(islands)} is not serving now (it forms again once its hosts are "
+                "back); arrays over those islands are lost. Programs over one island keep running"
+            )
+        group = placement.wait(tuning.GROUP_FORM_TIMEOUT_S.value + 60)
+        return {d: group.devices[d] for d in device_ids}
+
+    def placement_waits(self, device_ids: Sequence[int]) -> bool:
+        """Whether ``_where`` would wait (a group of islands not formed yet): the proxy then works off its loop."""
+        islands = {self._device(d).island for d in device_ids}
+        return len(islands) > 1 and not self.cluster.group(islands).done
+
+    def ready(self, device_ids: Sequence[int]) -> Pending | None:
+        """What work over ``device_ids`` must wait for before it is sent (a group of islands forming), or None."""
+        islands = {self._device(d).island for d in device_ids}
+        if len(islands) <= 1:
+            return None
+        placement = self.cluster.group(islands)
+        return None if placement.done and placement.error is None else placement
+
+    def _worker_ids(self, sharding: IfrtSharding) -> list[str]:
+        return sorted({device.worker_id for device in self._where(sharding.device_ids).values()})
+
+    @staticmethod
+    def _local(sharding: IfrtSharding, where: dict[int, pb.Device]) -> IfrtSharding:
+        """The sharding in its workers' local device ids (``where``: as ``_where`` placed its devices)."""
         return IfrtSharding(
-            tuple(self._device(d).local_id for d in sharding.device_ids), sharding.memory_kind, sharding.op_sharding
+            tuple(where[d].local_id for d in sharding.device_ids), sharding.memory_kind, sharding.op_sharding
         )
 
     def check_sharding(self, sharding: IfrtSharding) -> None:
@@ -248,44 +287,61 @@ class ClusterSession:
     # -- arrays ----------------------------------------------------------------------------
 
     def put(self, host: np.ndarray, sharding: IfrtSharding):
-        kind = dtypes.from_numpy(host.dtype)
+        where = self._where(sharding.device_ids)
         shape = tuple(host.shape)
-        if len(self._worker_ids(sharding)) > 1:
+        if len({device.worker_id for device in where.values()}) > 1:
             parts = [
-                self.put(host[index], IfrtSharding((device_id,), sharding.memory_kind))
+                self._put_on(where[device_id], host[index], IfrtSharding((device_id,), sharding.memory_kind))
                 for device_id, index in zip(sharding.device_ids, sharding.shard_indices(shape), strict=True)
             ]
             return self.assemble(shape, sharding, parts)
-        link = self._link(self._device(sharding.device_ids[0]))
+        return self._put_on(where[sharding.device_ids[0]], host, sharding, where)
+
+    def _put_on(self, device: pb.Device, host: np.ndarray, sharding: IfrtSharding, where=None) -> RemoteArray:
+        """``host`` as an array of ``device``'s worker, laid out by ``sharding`` (one device's, unless ``where``)."""
+        link = self._link(device)
         array_id = link.new_id()
-        meta = array_meta(kind, shape, self._local(sharding))
+        kind, shape = dtypes.from_numpy(host.dtype), tuple(host.shape)
+        meta = array_meta(kind, shape, self._local(sharding, where or {sharding.device_ids[0]: device}))
         link.put(array_id, meta, memoryview(np.ascontiguousarray(host).reshape(-1).view(np.uint8)))
         return RemoteArray(link, array_id, kind, shape, sharding)
 
     def put_shards(self, shape: tuple[int, ...], sharding: IfrtSharding, shards: Sequence[np.ndarray]):
+        where = self._where(sharding.device_ids)
         singles = [
-            self.put(shard, IfrtSharding((device_id,), sharding.memory_kind))
+            self._put_on(where[device_id], shard, IfrtSharding((device_id,), sharding.memory_kind))
             for shard, device_id in zip(shards, sharding.device_ids, strict=True)
         ]
         return self.assemble(shape, sharding, singles)
 
     def assemble(self, shape: tuple[int, ...], sharding: IfrtSharding, singles: Sequence):
         check_assemble_parts(sharding, [single.sharding.device_ids for single in singles])
+        where = self._where(sharding.device_ids)
+        # A shard that lives elsewhere (of an island's worker, for an array over a group, or the other way) moves.
+        singles = [self._moved(single, where[single.sharding.device_ids[0]]) for single in singles]
         by_link: dict[int, list] = {}
         for single in singles:
             by_link.setdefault(id(single.link), []).append(single)
         if len(by_link) == 1:
-            return self._assemble_on(singles[0].link, shape, sharding, singles)
+            return self._assemble_on(singles[0].link, shape, sharding, singles, where)
         if len({single.link.island for single in singles}) > 1:
             return ShardedRemoteArray(singles, shape, sharding)
-        # The hosts of one island: each assembles its part of one island-wide array.
+        # The hosts of one island (or group): each assembles its part of one array over all of them.
         hosts = sorted(by_link.values(), key=lambda group: group[0].link.host_index)
-        parts = [self._assemble_on(group[0].link, shape, sharding, group) for group in hosts]
+        parts = [self._assemble_on(group[0].link, shape, sharding, group, where) for group in hosts]
         return MultiHostArray(parts, shape, sharding)
 
-    def _assemble_on(self, link: WorkerLink, shape, sharding: IfrtSharding, singles: Sequence) -> RemoteArray:
+    def _moved(self, single: RemoteArray, device: pb.Device) -> RemoteArray:
+        """``single`` (one device's array) on ``device``'s worker: itself, or a copy sent there."""
+        if single.link.worker_id == device.worker_id:
+            return single
+        return self._send(
+            single, self._link(device), single.shape, single.sharding, None, {single.sharding.device_ids[0]: device}
+        )
+
+    def _assemble_on(self, link: WorkerLink, shape, sharding: IfrtSharding, singles: Sequence, where) -> RemoteArray:
         array_id = link.new_id()
-        meta = array_meta(singles[0].kind, shape, self._local(sharding))
+        meta = array_meta(singles[0].kind, shape, self._local(sharding, where))
         link.send(pb.Command(assemble=pb.Assemble(id=array_id, meta=meta, parts=[s.array_id for s in singles])))
         return RemoteArray(link, array_id, singles[0].kind, shape, sharding)
 
@@ -297,18 +353,23 @@ class ClusterSession:
             # no command to the worker, which reading a result back (fully_replicated_shard) would wait for.
             return [value]
         parts = value.parts if isinstance(value, MultiHostArray) else [value]
+        where = self._where(sharding.device_ids)
         singles = {}
         for part in parts:
             # Each host splits its own part: the shards of its devices, in the sharding's order.
-            device_ids = [d for d in sharding.device_ids if self._device(d).worker_id == part.link.worker_id]
-            for device_id, single in zip(device_ids, self._disassemble_on(part, sharding, device_ids), strict=True):
+            device_ids = [d for d in sharding.device_ids if where[d].worker_id == part.link.worker_id]
+            for device_id, single in zip(
+                device_ids, self._disassemble_on(part, sharding, device_ids, where), strict=True
+            ):
                 singles[device_id] = single
         return [singles[device_id] for device_id in sharding.device_ids]
 
-    def _disassemble_on(self, part: RemoteArray, sharding: IfrtSharding, device_ids: list[int]) -> list[RemoteArray]:
+    def _disassemble_on(
+        self, part: RemoteArray, sharding: IfrtSharding, device_ids: list[int], where
+    ) -> list[RemoteArray]:
         shard_shape = sharding.shard_shape(part.shape)
         ids = [part.link.new_id() for _ in device_ids]
-        local = array_meta(0, (), self._local(sharding)).sharding
+        local = array_meta(0, (), self._local(sharding, where)).sharding
         part.link.send(pb.Command(disassemble=pb.Disassemble(source=part.array_id, ids=ids, sharding=local)))
         return [
             RemoteArray(part.link, array_id, part.kind, shard_shape, IfrtSharding((device_id,), sharding.memory_kind))
@@ -319,20 +380,24 @@ class ClusterSession:
         """The value laid out by ``sharding``: on one worker, by sending between workers, or via the proxy."""
         if isinstance(value, MultiHostArray):
             value = ShardedRemoteArray(self.disassemble(value, value.sharding), value.shape, value.sharding)
-        targets = self._worker_ids(sharding)
+        where = self._where(sharding.device_ids)
+        targets = sorted({device.worker_id for device in where.values()})
         if isinstance(value, RemoteArray) and targets == [value.link.worker_id] and value.link.alive:
             array_id = value.link.new_id()
-            local = array_meta(0, (), self._local(sharding)).sharding
+            local = array_meta(0, (), self._local(sharding, where)).sharding
             value.link.send(pb.Command(copy=pb.Copy(source=value.array_id, id=array_id, sharding=local)))
             return RemoteArray(value.link, array_id, value.kind, value.shape, sharding)
         if isinstance(value, RemoteArray) and len(targets) == 1:
-            return self._send(value, self._link(self._device(sharding.device_ids[0])), value.shape, sharding, None)
-        return self._copy_by_shards(value, sharding)
+            target = where[sharding.device_ids[0]]
+            return self._send(value, self._link(target), value.shape, sharding, None, where)
+        return self._copy_by_shards(value, sharding, where)
 
-    def _send(self, value: RemoteArray, target: WorkerLink, shape, sharding: IfrtSharding, region) -> RemoteArray:
+    def _send(
+        self, value: RemoteArray, target: WorkerLink, shape, sharding: IfrtSharding, region, where
+    ) -> RemoteArray:
         """Has ``value``'s worker send it (or ``region`` of it) straight to ``target``'s worker."""
         array_id = target.new_id()
-        meta = array_meta(value.kind, shape, self._local(sharding))
+        meta = array_meta(value.kind, shape, self._local(sharding, where))
         send = pb.Send(
             source=value.array_id,
             peer_address=target.address,
@@ -351,7 +416,10 @@ class ClusterSession:
         return RemoteArray(target, array_id, value.kind, shape, sharding)
 
     def copy_blocks(self, value, sharding: IfrtSharding) -> bool:
-        """Whether the copy goes through the proxy (no source shard holds some target shard): it reads the value."""
+        """Whether the copy waits: it goes through the proxy (no source shard holds some target shard: it reads
+        the value), or its target is a group of islands that is not formed yet."""
+        if self.placement_waits(sharding.device_ids):
+            return True
         if isinstance(value, RemoteArray) and len(self._worker_ids(sharding)) == 1:
             return False
         source_regions = _source_regions(value)
@@ -360,7 +428,7 @@ class ClusterSession:
             for index in sharding.shard_indices(value.shape)
         )
 
-    def _copy_by_shards(self, value, sharding: IfrtSharding):
+    def _copy_by_shards(self, value, sharding: IfrtSharding, where):
         """Each target shard sent from the source shard that holds it; through the proxy if none does."""
         shape = value.shape
         sources = value.parts if isinstance(value, ShardedRemoteArray) else [value]
@@ -378,12 +446,9 @@ class ClusterSession:
                 slice(w.start - r.start, w.stop - r.start) for w, r in zip(wanted, source_regions[holder], strict=True)
             )
             part_shape = tuple(s.stop - s.start for s in wanted)
-            target = self._link(self._device(device_id))
-            parts.append(
-                self._send(
-                    sources[holder], target, part_shape, IfrtSharding((device_id,), sharding.memory_kind), relative
-                )
-            )
+            target = self._link(where[device_id])
+            single = IfrtSharding((device_id,), sharding.memory_kind)
+            parts.append(self._send(sources[holder], target, part_shape, single, relative, where))
         return self.assemble(shape, sharding, parts)
 
     def to_host(self, value) -> np.ndarray:
@@ -426,17 +491,12 @@ class ClusterSession:
     # -- programs --------------------------------------------------------------------------
 
     def compile(self, program: bytes, compile_options: bytes, device_ids: Sequence[int]) -> RemoteProgram:
-        devices = [self._current(self._device(d)) for d in device_ids]
-        islands = sorted({d.island for d in devices})
-        if len(islands) > 1:
-            raise InvalidRequest(
-                f"this program's devices {list(device_ids)} span islands {islands}. A program runs on one "
-                "island (devices that share a fast interconnect); between islands, data moves with "
-                "jax.device_put. Split the model into stages, one jit per island, and pipeline microbatches: "
-                "run stage 1 on island 0, device_put its outputs to island 1, run stage 2 there"
-            )
-        # On an island of several hosts every host runs the program; jaxlib ids span the island.
-        hosts = list({d.host_index: d for d in sorted(devices, key=lambda d: d.host_index)}.values())
+        """Compiles for ``device_ids`` on every host they are on: an island's, or the members of the group of their
+        islands (blocks while the group forms: for the compile pool)."""
+        where = self._where(device_ids)
+        devices = [self._current(where[d]) for d in device_ids]
+        # On an island (or group) of several hosts every host runs the program; jaxlib ids span them all.
+        hosts = list({d.worker_id: d for d in sorted(devices, key=lambda d: d.host_index)}.values())
         local_ids = tuple(d.local_id for d in devices)
         options = _localize(compile_options, {d.id: d.local_id for d in devices})
         return self.cluster.compile(
@@ -467,8 +527,12 @@ class ClusterSession:
             return self._execute_on_hosts(program, args, keep)
         device = self._current(self._device(program.device_ids[0]))
         link = self._link(device)
+        args = list(args)
         for index, arg in enumerate(args):
             if isinstance(arg, RemoteArray) and arg.link is link:
+                continue
+            if isinstance(arg, RemoteArray) and arg.sharding.device_ids == program.device_ids and arg.link.group:
+                args[index] = self._moved(arg, device)  # a shard of an array over a group of islands: to its island
                 continue
             if isinstance(arg, RemoteArray) and arg.link.worker_id == link.worker_id:
                 raise WorkerLost(
@@ -499,8 +563,8 @@ class ClusterSession:
         return results
 
     def _execute_on_hosts(self, program: RemoteProgram, args: Sequence, keep: frozenset[int]) -> list:
-        """Runs a program on every host of its island, each on its part of the arguments, in the island's order."""
-        hosts = [self._current(self._device(d.id)) for d in program.hosts]
+        """Runs a program on every host of its island (or group), each on its part of the arguments, in their order."""
+        hosts = [self._current(host) for host in program.hosts]
         links = [self._link(host) for host in hosts]
         for index, arg in enumerate(args):
             if not (isinstance(arg, MultiHostArray) and [part.link for part in arg.parts] == links):
@@ -560,7 +624,10 @@ class ClusterSession:
         """Sends each host of ``plan`` its part on this session's stream to it, waits for all, assembles the results.
 
         Blocks (on the proxy's wait pool): a host that dies meanwhile fails it with DATA_LOSS naming the host.
+        The host halves run on the islands' own workers: an argument that lives on a group of islands is sent
+        there first.
         """
+        args = [self._off_groups(arg) for arg in args]
         devices = [self._current(self._device(d)) for d in dict.fromkeys((*plan.host_device_ids, *plan.device_ids))]
         workers: dict[str, list[pb.Device]] = {}
         for device in devices:
@@ -590,6 +657,16 @@ class ClusterSession:
             except RequestError as error:
                 raise explain_failure(error, self._island_links(link.island)) from None
         return values
+
+    def _off_groups(self, value):
+        """``value`` on its islands' own workers: as it is, or, if it lives on a group of islands, sent there shard
+        by shard."""
+        parts = value.parts if isinstance(value, PartedArray) else [value]
+        if not any(part.link.group for part in parts):
+            return value
+        singles = self.disassemble(value, value.sharding) if isinstance(value, MultiHostArray) else parts
+        moved = [self._moved(single, self._device(single.sharding.device_ids[0])) for single in singles]
+        return moved[0] if len(moved) == 1 else ShardedRemoteArray(moved, value.shape, value.sharding)
 
     def _pieces_on(self, value, link: WorkerLink, index: int) -> list[int]:
         """The ids of ``value``'s pieces held by ``link``'s worker (none: it holds none of it)."""

@@ -109,6 +109,13 @@ class LocalSession:
         """Never: jax copies between this process's devices asynchronously."""
         return False
 
+    def placement_waits(self, device_ids: Sequence[int]) -> bool:
+        """Never: every device is this process's."""
+        return False
+
+    def ready(self, device_ids: Sequence[int]) -> None:
+        """Work over any of this process's devices can go at once."""
+
     def layout_waits(self, dtype, dims: Sequence[int], device_id: int, memory_kind: str = "") -> bool:
         """Never: this process's own client knows its layouts."""
         return False

@@ -71,6 +71,8 @@ class WorkerLink:
         self.address = worker.worker_address
         self.island = worker.island
         self.host_index = worker.host_index
+        self.place = worker.place  # how messages name a group member ("": "island I host H" says it)
+        self.group = worker.group  # the group of islands a member serves ("" for an island's worker)
         self.incarnation = worker.incarnation
         self.host_key = worker.host_key
         self.session_key = session_key
@@ -105,7 +107,7 @@ class WorkerLink:
         self._on_loop(self._open)
 
     def describe(self) -> str:
-        return f"island {self.island} host {self.host_index} ({self.address})"
+        return self.place or f"island {self.island} host {self.host_index} ({self.address})"
 
     @property
     def alive(self) -> bool:
@@ -372,9 +374,10 @@ class WorkerLink:
 
     def declare_lost(self, detail: str) -> None:
         """The worker is gone (the stream broke, or the cluster says so): every waiter and later command fails."""
+        where = "the group" if self.place else f"island {self.island}"
         error = WorkerLost(
-            f"{self.describe()} is unreachable ({detail}); arrays on island {self.island} are lost and "
-            f"work on it fails until the worker is back. Other islands keep serving"
+            f"{self.describe()} is unreachable ({detail}); arrays on {where} are lost and "
+            f"work on it fails until it is back. Other islands keep serving"
         )
         _LOGGER.warning("%s", error.message)
         with self._lock:

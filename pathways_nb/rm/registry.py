@@ -52,6 +52,11 @@ class WorkerEntry:
     def host_index(self) -> int:
         return self.request.host_index
 
+    @property
+    def group(self) -> str:
+        """The group of islands this worker is a member of ("" for an island's own worker: ``rm.groups``)."""
+        return self.request.group.group if self.request.HasField("group") else ""
+
     def set_health(self, healthy: bool, reason: str) -> None:
         self.healthy = healthy
         self.down_reason = reason
@@ -110,7 +115,14 @@ class Registry:
                 f"a worker names one colocated CPU device per device: it has {len(request.devices)} devices "
                 f"and {len(request.colocated_devices)} colocated ones"
             )
-        worker_id = f"island{request.island}-host{request.host_index}"
+        membership = request.group if request.HasField("group") else None
+        if membership is not None and request.colocated_devices:
+            raise ValueError("a group member serves no colocated Python")
+        worker_id = (
+            f"group{membership.group}-member{membership.member}"
+            if membership is not None
+            else f"island{request.island}-host{request.host_index}"
+        )
         other = self._by_address.get(request.address)
         if other is not None and other != worker_id and other in self.workers:
             raise ValueError(f"{request.address} is already registered as {other}")
@@ -136,6 +148,8 @@ class Registry:
                 local_hardware_id=local.local_hardware_id,
                 healthy=True,
                 host_key=request.host_key,
+                group=membership.group if membership is not None else "",
+                place=_place(request),
             )
             for device_id, local in zip(entry.device_ids, request.devices, strict=True)
         ]
@@ -160,6 +174,8 @@ class Registry:
 
     def _index(self, entry: WorkerEntry) -> None:
         self._by_address[entry.request.address] = entry.worker_id
+        if entry.group:
+            return  # a member's devices are twins of its island's: never allocated, not in the index
         island_ids = self._island_ids.setdefault(entry.island, [])
         for device in entry.devices:
             if device.id not in self._devices:
@@ -170,6 +186,8 @@ class Registry:
     def _unindex(self, entry: WorkerEntry) -> None:
         if self._by_address.get(entry.request.address) == entry.worker_id:
             del self._by_address[entry.request.address]
+        if entry.group:
+            return
         island_ids = self._island_ids[entry.island]
         for device_id in entry.device_ids:
             del self._devices[device_id]
@@ -236,8 +254,12 @@ class Registry:
         self._changed.add(entry.worker_id)
 
     def exited(self, island: int, host_index: int, pid: int, reason: str) -> WorkerEntry | None:
-        """Marks the worker whose process ``pid`` ended down; None if that process is not the registered one."""
-        entry = self.workers.get(f"island{island}-host{host_index}")
+        """Marks the island's worker whose process ``pid`` ended down; None if that is not the registered process."""
+        return self.set_down(f"island{island}-host{host_index}", pid, reason)
+
+    def set_down(self, worker_id: str, pid: int, reason: str) -> WorkerEntry | None:
+        """Marks a worker down; None if it is unknown, or ``pid`` (if given) is not its process."""
+        entry = self.workers.get(worker_id)
         if entry is None or (pid and entry.request.pid != pid):
             return None
         entry.set_health(False, reason)
@@ -255,8 +277,9 @@ class Registry:
         return changed
 
     def take_changes(self) -> list[WorkerEntry]:
-        """The workers registered or whose health changed since the last call, and forgets them."""
-        changed = [self.workers[w] for w in sorted(self._changed) if w in self.workers]
+        """The islands' workers registered or whose health changed since the last call (group members are
+        reported with their groups), and forgets them."""
+        changed = [self.workers[w] for w in sorted(self._changed) if w in self.workers and not self.workers[w].group]
         self._changed.clear()
         return changed
 
@@ -285,8 +308,25 @@ class Registry:
     def islands(self) -> list[int]:
         return sorted(self._island_ids)
 
+    def island_workers(self, island: int) -> list[WorkerEntry]:
+        """The workers of ``island`` (not group members), in host order."""
+        found = [e for e in self.workers.values() if e.island == island and not e.group]
+        return sorted(found, key=lambda e: e.host_index)
+
     def worker_states(self, entries: list[WorkerEntry] | None = None) -> list[pb.WorkerState]:
-        """The state of ``entries`` (None: every worker), in island and host order."""
+        """The state of ``entries`` (None: every island's worker; group members are their groups'), in island and
+        host order."""
         now = time.monotonic()
-        chosen = self.workers.values() if entries is None else entries
+        chosen = [e for e in self.workers.values() if not e.group] if entries is None else entries
         return [entry.state(now) for entry in sorted(chosen, key=lambda e: (e.island, e.host_index))]
+
+
+def _place(request: pb.RegisterWorkerRequest) -> str:
+    """Where a worker is, in words, for messages ("" for an island's worker: "island I host H" says it)."""
+    if not request.HasField("group"):
+        return ""
+    membership = request.group
+    return (
+        f"the group of islands {membership.group} (its member on island {membership.island} "
+        f"host {membership.host_index}, {request.address})"
+    )

@@ -26,6 +26,7 @@ from pathways_nb.core import host_profiler, tuning
 from pathways_nb.core.keepalive import Liveness
 from pathways_nb.protocol.errors import RequestError, as_request_error, grpc_code
 from pathways_nb.rm.allocator import Allocator, Unsatisfiable
+from pathways_nb.rm.groups import Groups, GroupUnavailable, Orders, Phase
 from pathways_nb.rm.registry import Registry, WorkerEntry
 from pathways_nb.rm.topology import Topology
 from pathways_nb.rpc import cluster_pb2 as pb
@@ -62,6 +63,9 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
         self.liveness = Liveness.within(worker_timeout_s)
         self.registry = Registry(topology, worker_timeout_s)
         self.allocator = Allocator()
+        self.groups = Groups(self.registry)
+        # The replies each attached worker is sent on its Attach stream (group orders), by worker id.
+        self._outboxes: dict[str, asyncio.Queue] = {}
         self._change = asyncio.Event()
         self._dirty = asyncio.Event()  # something changed that the watchers have not been sent
         self._version = 0  # counts changes: the cached state is good while it stays the same
@@ -126,6 +130,10 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
                     self.registry.worker_timeout_s,
                     entry.island,
                 )
+                self._worker_down(entry)
+            expired = self.groups.expire(tuning.GROUP_FORM_TIMEOUT_S.value)
+            if expired:
+                self._send(expired)
                 self._changed()
 
     def worker_heartbeat_interval_s(self) -> float:
@@ -150,9 +158,15 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
         self, request: pb.RegisterWorkerRequest, context
     ) -> tuple[WorkerEntry, pb.RegisterWorkerResponse]:
         try:
+            if request.HasField("group"):
+                self.groups.check_member(request.group)
+            previous = self.registry.workers.get(f"island{request.island}-host{request.host_index}")
             entry = self.registry.register(request)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot register worker: {e}")
+        if not entry.group and previous is not None and previous.incarnation != entry.incarnation:
+            # A new process for a host: the members the old one started went with it.
+            self._send(self.groups.host_down(previous))
         _LOGGER.info(
             "worker %s registered at %s (incarnation %d, devices %s)",
             entry.worker_id,
@@ -182,22 +196,73 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
             )
         entry, registered = await self._register(first.registration, context)
         self.registry.attach(entry)
+        if entry.group:
+            self.groups.registered(entry)  # attached now: its group may serve
+            self._changed()
+        # What this stream says back: group orders, a longer update interval; None ends it.
+        outbox: asyncio.Queue = asyncio.Queue()
+        self._outboxes[entry.worker_id] = outbox
+        reader = asyncio.get_running_loop().create_task(self._read_updates(entry, first, request_iterator, outbox))
         try:
-            if first.HasField("load"):
-                self.registry.report_load(entry, first.load)
-            interval_s = self.worker_update_interval_s()
-            yield pb.AttachReply(registration=registered, update_interval_s=interval_s)
-            async for update in request_iterator:
-                self.registry.report_load(entry, update.load)
-                self._dirty.set()
-                if self.worker_update_interval_s() >= 2 * interval_s:  # the cluster grew: report less often
-                    interval_s = self.worker_update_interval_s()
-                    yield pb.AttachReply(update_interval_s=interval_s)
+            yield pb.AttachReply(registration=registered, update_interval_s=self.worker_update_interval_s())
+            while (reply := await outbox.get()) is not None:
+                yield reply
         finally:
             # However it ended: the worker closed it, its connection broke or missed a ping, this server stops.
+            reader.cancel()
+            if self._outboxes.get(entry.worker_id) is outbox:
+                del self._outboxes[entry.worker_id]
             if self.registry.detach(entry):
                 self._dirty.set()
                 asyncio.get_running_loop().call_later(self.liveness.settle_s, self._detached_for_good, entry)
+
+    async def _read_updates(self, entry: WorkerEntry, first: pb.WorkerUpdate, request_iterator, outbox) -> None:
+        """A worker's messages on its Attach stream: its load, and news of the group members it runs."""
+        interval_s = self.worker_update_interval_s()
+        try:
+            update = first
+            while True:
+                if update.HasField("load"):
+                    self.registry.report_load(entry, update.load)
+                    self._dirty.set()
+                for event in update.group_events:
+                    self._group_event(event)
+                if self.worker_update_interval_s() >= 2 * interval_s:  # the cluster grew: report less often
+                    interval_s = self.worker_update_interval_s()
+                    outbox.put_nowait(pb.AttachReply(update_interval_s=interval_s))
+                update = await anext(request_iterator, None)
+                if update is None:
+                    break
+        except grpc.aio.AioRpcError as error:
+            _LOGGER.info("worker %s: its stream ended (%s)", entry.worker_id, error.code().name)
+        outbox.put_nowait(None)
+
+    def _group_event(self, event: pb.GroupMemberEvent) -> None:
+        if event.coordinator_address:
+            self._send(self.groups.coordinator_started(event))
+        if event.exited:
+            _LOGGER.warning(
+                "group %s epoch %d member %d ended: %s", event.group, event.epoch, event.member, event.exited
+            )
+            self._send(self.groups.member_exited(event))
+        self._changed()
+
+    def _send(self, orders: Orders) -> None:
+        """Sends group orders to workers on their Attach streams (one not attached now gets none: see ``expire``)."""
+        for worker_id, order in orders:
+            outbox = self._outboxes.get(worker_id)
+            if outbox is not None:
+                outbox.put_nowait(pb.AttachReply(group_orders=[order]))
+            else:
+                _LOGGER.warning("worker %s is not attached: it cannot be told %s", worker_id, order)
+
+    def _worker_down(self, entry: WorkerEntry) -> None:
+        """A worker is down: so is every group over its island, or the group it is a member of."""
+        if entry.group:
+            self._send(self.groups.member_down(entry, entry.down_reason))
+        else:
+            self._send(self.groups.host_down(entry))
+        self._changed()
 
     def _detached_for_good(self, entry: WorkerEntry) -> None:
         """A worker's stream ended a moment ago: unless its launcher said why, or it attached again, it is down."""
@@ -209,7 +274,7 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
                 entry.down_reason,
                 entry.island,
             )
-            self._changed()
+            self._worker_down(entry)
 
     def _heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
         known, revived = self.registry.heartbeat(request.worker_id, request.incarnation)
@@ -234,7 +299,7 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
                 request.reason,
                 entry.island,
             )
-            self._changed()
+            self._worker_down(entry)
         return pb.WorkerExitAck(known=entry is not None)
 
     # -- allocations -----------------------------------------------------------------------
@@ -321,6 +386,7 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
             hosts_per_island=topology.hosts_per_island if topology else 0,
             devices_per_host=topology.devices_per_host if topology else 0,
             platform=self._platform(),
+            groups=self.groups.states(),
         )
 
     def state(self) -> pb.ClusterState:
@@ -357,6 +423,37 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
         except Exception as error:  # noqa: BLE001 - jaxlib's own failure, reported to the caller
             await context.abort(grpc.StatusCode.INTERNAL, as_request_error(error).message)
         return pb.ProfileResult(xspace=xspace)
+
+    async def FormGroup(self, request, context):
+        """Forms the group of ``request.islands`` if it does not serve yet; answers once it serves, or why not."""
+        try:
+            group, orders = self.groups.request(request.islands)
+        except GroupUnavailable as error:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"the islands {sorted(request.islands)} cannot form a group: {error}"
+            )
+        if orders:
+            _LOGGER.info("forming group %s (epoch %d) over %d hosts", group.name, group.epoch, len(group.hosts))
+            self._send(orders)
+            self._changed()
+        timeout_s = request.timeout_s or tuning.GROUP_FORM_TIMEOUT_S.value
+        if group.phase is Phase.forming:
+            waiter = asyncio.get_running_loop().create_future()
+            group.waiters.append(waiter)
+            try:
+                await asyncio.wait_for(waiter, timeout_s)
+            except asyncio.TimeoutError:
+                await context.abort(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"the group of islands {group.name} did not form within {timeout_s:g} s; try again",
+                )
+        if group.phase is not Phase.serving:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the group of islands {group.name} is down ({group.down_reason}); it forms again once its "
+                "hosts are back",
+            )
+        return group.state(time.monotonic())
 
     async def GetClusterState(self, request, context):
         return self.state()

@@ -81,6 +81,11 @@ class ResourceManagerStub:
                 request_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.ProfileControl.SerializeToString,
                 response_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.ProfileResult.FromString,
                 _registered_method=True)
+        self.FormGroup = channel.unary_unary(
+                '/pathways_nb.v1.ResourceManager/FormGroup',
+                request_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.FormGroupRequest.SerializeToString,
+                response_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.GroupState.FromString,
+                _registered_method=True)
 
 
 class ResourceManagerServicer:
@@ -166,6 +171,15 @@ class ResourceManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FormGroup(self, request, context):
+        """Forms the group of these islands (their hosts' member processes, one JAX runtime across them) if
+        it does not serve yet, and answers once it serves, or why it cannot (docs/design.md, "Programs
+        across islands").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ResourceManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -213,6 +227,11 @@ def add_ResourceManagerServicer_to_server(servicer, server):
                     servicer.Profile,
                     request_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.ProfileControl.FromString,
                     response_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.ProfileResult.SerializeToString,
+            ),
+            'FormGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.FormGroup,
+                    request_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.FormGroupRequest.FromString,
+                    response_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.GroupState.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -460,6 +479,33 @@ class ResourceManager:
             '/pathways_nb.v1.ResourceManager/Profile',
             pathways__nb_dot_rpc_dot_cluster__pb2.ProfileControl.SerializeToString,
             pathways__nb_dot_rpc_dot_cluster__pb2.ProfileResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FormGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pathways_nb.v1.ResourceManager/FormGroup',
+            pathways__nb_dot_rpc_dot_cluster__pb2.FormGroupRequest.SerializeToString,
+            pathways__nb_dot_rpc_dot_cluster__pb2.GroupState.FromString,
             options,
             channel_credentials,
             insecure,

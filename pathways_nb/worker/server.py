@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import random
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Callable
+from typing import Protocol
 
 import grpc
 
@@ -38,8 +41,19 @@ from pathways_nb.worker.service import SERVICE_NAME, WorkerService, local_device
 _LOGGER = logging.getLogger(__name__)
 
 
+class MemberProcesses(Protocol):
+    """What starts and stops this host's group members on the resource manager's orders (``launch.members``)."""
+
+    report: Callable[[pb.GroupMemberEvent], None]
+
+    def apply(self, order: pb.GroupOrder) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class WorkerServer:
-    """Serves ``runtime``'s devices as host ``host_index`` of ``island``."""
+    """Serves ``runtime``'s devices as host ``host_index`` of ``island`` (or, with ``group``, as a member of a
+    group of islands: ``rm.groups``)."""
 
     def __init__(
         self,
@@ -55,16 +69,26 @@ class WorkerServer:
         colocated_python_host: str | None = None,
         storage: StorageRoot | None = None,
         on_fatal: Callable[[str], None] | None = None,
+        members: MemberProcesses | None = None,
+        group: pb.GroupMembership | None = None,
     ):
         """``storage``: where the non-XLA programs clients send (profiles, checkpoints) write. ``on_fatal(why)``:
-        called (on a thread of its own) if the worker can no longer be part of its cluster; default: ``stop``."""
+        called (on a thread of its own) if the worker can no longer be part of its cluster; default: ``stop``.
+        ``members``: starts this host's members of groups of islands when the resource manager says (None: this
+        worker takes part in no group); ``group``: this process is such a member."""
         credentials = credentials or ClusterCredentials()
         self.runtime = runtime
         self.island, self.host_index = island, host_index
+        self.group = group
+        self._members = members
+        # What this worker has to say on its Attach stream beyond its load (its members' news); None wakes it.
+        self._news: queue.SimpleQueue = queue.SimpleQueue()
+        if members is not None:
+            members.report = self._tell
         # This process's identity in the cluster: kept when it registers again with a restarted
         # resource manager (its arrays are still here), new for every new process.
         self.incarnation = 1 + secrets.randbits(62)
-        name = f"island{island}-host{host_index}"
+        name = f"group{group.group}-member{group.member}" if group else f"island{island}-host{host_index}"
         colocated = None
         if colocated_python_host:
             where = f"island {island} host {host_index}"
@@ -114,6 +138,7 @@ class WorkerServer:
             pid=os.getpid(),
             incarnation=self.incarnation,
             host_key=self.service.outbox.host_key,
+            group=self.group,
         )
         retry = Retry("registering with the resource manager", None if timeout_s == float("inf") else timeout_s)
         while not self._stopped.is_set():
@@ -142,10 +167,10 @@ class WorkerServer:
         try:
             first = next(call, None)
         except BaseException:
-            over.set()
+            self._end_stream(over)
             raise
         if first is None:
-            over.set()
+            self._end_stream(over)
             raise RuntimeError("the resource manager ended the Attach stream without registering this worker")
         self._update_interval_s = first.update_interval_s or self._update_interval_s
         self._attachment = (call, over)
@@ -157,23 +182,58 @@ class WorkerServer:
         try:
             for reply in call:
                 self._update_interval_s = reply.update_interval_s or self._update_interval_s  # the cluster grew
+                for order in reply.group_orders:
+                    self._obey(order)
             ended = "the resource manager ended it"
         except grpc.RpcError as error:
             ended = f"{error.code().name}: {error.details()}"
         finally:
-            over.set()
+            self._end_stream(over)
         if not self._stopped.is_set():
             _LOGGER.warning("the stream to the resource manager ended (%s); registering on a new one", ended)
 
     def _updates(self, first: pb.WorkerUpdate, over: threading.Event):
-        """The stream's messages: the registration, then the load when it changed, at most once per interval."""
+        """The stream's messages: the registration, then the load when it changed, at most once per interval,
+        and the members' news as it comes."""
         yield first
         last = first.load
-        while not over.wait(self._load.wait_s(self._update_interval_s)):
+        due = time.monotonic() + self._load.wait_s(self._update_interval_s)
+        while not over.is_set():
+            try:
+                news = self._news.get(timeout=max(0.0, due - time.monotonic()))
+            except queue.Empty:
+                news = None
+            if over.is_set():
+                if news is not None:
+                    self._news.put(news)  # for the next stream
+                return
+            if news is not None:
+                yield pb.WorkerUpdate(group_events=[news])
+                continue
+            if time.monotonic() < due:
+                continue  # woken by ``_end_stream`` for another stream's sake
+            due = time.monotonic() + self._load.wait_s(self._update_interval_s)
             load = self._load.measure()
             if load != last:
                 last = load
                 yield pb.WorkerUpdate(load=load)
+
+    def _end_stream(self, over: threading.Event) -> None:
+        over.set()
+        self._news.put(None)  # wakes the stream's writer
+
+    def _tell(self, event: pb.GroupMemberEvent) -> None:
+        """Tells the resource manager what became of one of this host's group members (from any thread)."""
+        self._news.put(event)
+
+    def _obey(self, order: pb.GroupOrder) -> None:
+        if self._members is None:
+            _LOGGER.warning("the resource manager ordered group members, but this worker runs none: %s", order)
+            return
+        try:
+            self._members.apply(order)
+        except Exception:  # a member that cannot start is reported by its group's time-out, with this in the log
+            _LOGGER.exception("carrying out %s failed", order)
 
     def _stay_alive(self) -> None:
         """Keeps this worker attached (or heartbeating, to a resource manager without Attach) until ``stop``.
@@ -235,8 +295,10 @@ class WorkerServer:
     def stop(self, grace_s: float | None = 1.0) -> None:
         self._stopped.set()
         if self._attachment is not None:
-            self._attachment[1].set()  # ends the Attach stream: the resource manager finds this worker gone
+            self._end_stream(self._attachment[1])  # ends the Attach stream: the resource manager finds this worker gone
         self._server.stop(grace_s)
+        if self._members is not None:
+            self._members.close()
         self.service.close()
         self.runtime.close()
 

@@ -10,7 +10,7 @@ from pathways_nb.core.dataflow import ArrayRecord, Pending, when_all
 from pathways_nb.core.events import event
 from pathways_nb.core.runtime_api import ArgumentFacts, ProgramInfo, check_arguments
 from pathways_nb.protocol import attributes, dtypes
-from pathways_nb.protocol.errors import Code, DataLoss, InvalidRequest, Unimplemented
+from pathways_nb.protocol.errors import Code, DataLoss, InvalidRequest, Unimplemented, as_request_error
 from pathways_nb.proxy import nonxla_programs
 from pathways_nb.proxy.context import CompileCache
 from pathways_nb.proxy.dispatch import DEFERRED, handles
@@ -192,7 +192,17 @@ def compile_program(session, request, op_id):
             response.fingerprint_value = program.fingerprint
         session.reply(op_id, "compile_response", response)
 
-    session.in_background(compile_now, compiled, pool=session.context.compile_pool)
+    def compile_when_ready(_value, error) -> None:
+        if error is not None:
+            compiled(None, as_request_error(error))
+        else:
+            session.in_background(compile_now, compiled, pool=session.context.compile_pool)
+
+    gate = session.runtime.ready(device_ids)  # a group of islands that forms: awaited without a pool thread
+    if gate is None:
+        compile_when_ready(None, None)
+    else:
+        session.when_done(gate, compile_when_ready)
     return DEFERRED
 
 
@@ -299,9 +309,12 @@ def execute(session, request, op_id):
         if status is not None:
             status.fail(failed_input)
     else:
-        # A donated argument that a non-XLA program still reads (an Orbax save) is donated after it.
+        # A donated argument that a non-XLA program still reads (an Orbax save) is donated after it; a program
+        # over a group of islands that is forming (again) runs once it serves.
         reads = [record.reads_done() for record in donated]
-        session.after([*inputs, *reads], run, outputs=outputs, on_error=status.fail if status else None)
+        gate = session.runtime.ready(program.device_ids)
+        gates = [ArrayRecord.gate(gate)] if gate is not None else []
+        session.after([*inputs, *reads, *gates], run, outputs=outputs, on_error=status.fail if status else None)
         if status is not None:
             _finish_when_computed(session, outputs, status)
     return nonxla_programs.execute_response(session, request, status, output_handles, outputs)
