@@ -9,8 +9,11 @@ result comes back to the loop with ``call_on``; nothing holds a lock across the 
 ``tuning.LOOP_TICK_S``; a thread of the watchdog's own notices when no tick came for
 ``tuning.LOOP_STALL_S``, captures where the loop's thread is (its Python stack) and logs it once, and
 the late tick records the stall, how long it was, and whether the thread was running a callback
-(what the rule forbids) or waiting in its selector for a CPU (a busy machine, not a bug). Servers
-answer ``Diagnostics.GetLoopStats`` with the counts, which tests and benchmarks read.
+(what the rule forbids: its stack was in one, or it spent the stall computing) or waiting in its
+selector for a CPU (a busy machine, not a bug). When the watchdog's own thread did not get to look
+(the whole process stalled: a fork, a long call that holds the GIL), the loop thread's CPU time
+over the stall tells which. Servers answer ``Diagnostics.GetLoopStats`` with the counts, which
+tests and benchmarks read.
 """
 
 from __future__ import annotations
@@ -93,6 +96,7 @@ class LoopWatchdog:
         self._stall_s = tuning.LOOP_STALL_S.value
         self._started = time.monotonic()
         self._last_tick = self._started
+        self._last_cpu = 0.0  # the loop thread's CPU time at its last tick
         self._loop_thread: int | None = None
         self._seen: tuple[float, str, bool] | None = None  # the stall under way: (its last tick, where, in a callback)
         self._lock = threading.Lock()  # guards the counts below (the loop writes them, any thread reads them)
@@ -121,18 +125,22 @@ class LoopWatchdog:
         self._tick()
 
     def _tick(self) -> None:
-        now = time.monotonic()
+        now, cpu = time.monotonic(), time.thread_time()
         late_s = now - self._last_tick - self._tick_s
         if late_s >= self._stall_s:
-            self._record(late_s, now)
-        self._last_tick = now
+            self._record(late_s, (cpu - self._last_cpu) > late_s / 2)
+        self._last_tick, self._last_cpu = now, cpu
         if not self._stopped.is_set():
             self._loop.call_later(self._tick_s, self._tick)
 
-    def _record(self, seconds: float, now: float) -> None:
+    def _record(self, seconds: float, computing: bool) -> None:
+        """A stall of ``seconds``; ``computing``: the loop's thread was busy on a CPU for most of it."""
         seen = self._seen
         self._seen = None
-        where, in_callback = (seen[1], seen[2]) if seen is not None else ("(not seen: the watchdog was late too)", True)
+        if seen is not None:
+            where, in_callback = seen[1], seen[2] or computing
+        else:
+            where, in_callback = "(not seen: the watchdog's thread stalled too)", computing
         ended = time.time()
         with self._lock:
             self._stalls += 1

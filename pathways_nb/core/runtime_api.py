@@ -284,11 +284,6 @@ class DeviceSession(Protocol):
 
     def copy(self, value, sharding: IfrtSharding) -> DeviceValue: ...
 
-    def placement_waits(self, device_ids: Sequence[int]) -> bool:
-        """Whether making an array over ``device_ids`` would wait (their islands' group is not formed yet): the
-        proxy then makes it off its event loop."""
-        ...
-
     def ready(self, device_ids: Sequence[int]) -> Pending | None:
         """What a program over ``device_ids`` must wait for before it is compiled or run (their islands' group
         forming), or None; it fails with the reason the group cannot serve."""

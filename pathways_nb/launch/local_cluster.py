@@ -298,9 +298,11 @@ class LocalCluster:
             return stub.GetClusterState(pb.ClusterStateRequest(), timeout=10)
 
     def loop_stats(self) -> list[pb.LoopStats]:
-        """How every process's event loop has turned (its watchdog's counts: ``core.loop``), one entry each."""
+        """How every process's event loop has turned (its watchdog's counts: ``core.loop``), one entry each, the
+        members of groups of islands that serve included."""
         addresses = [child.hostport for child in (self.resource_manager, self.proxy, *self.workers.values()) if child]
         addresses += [f"unix:{self._colocated_socket(*place)}" for place in self.colocated_hosts]
+        addresses += [m.address for g in self.state().groups for m in g.members if m.healthy]  # groups' members
         return [loop_stats(address, self.credentials) for address in addresses]
 
     def kill_worker(self, island: int, host: int = 0) -> None:

@@ -175,6 +175,18 @@ class ClusterRuntime:
                     for session in list(self._sessions):
                         session.worker_down(member)
 
+    def serving(self, islands) -> GroupPlacement | None:
+        """The placement of the group of ``islands`` if it serves now (never forms one)."""
+        with self._lock:
+            state = self._groups.get(group_name(islands))
+            return self._placement(state) if state is not None and state.healthy else None
+
+    def last_placement(self, name: str) -> GroupPlacement | None:
+        """The group's placement as last known, serving or not (for arrays that live, or lived, on it)."""
+        with self._lock:
+            state = self._groups.get(name)
+            return self._placement(state) if state is not None else None
+
     def group(self, islands) -> Pending:
         """The placement of a group of islands, once it serves (never waits: the forming is awaited on the loop).
 

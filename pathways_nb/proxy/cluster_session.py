@@ -230,10 +230,10 @@ class ClusterSession:
     # -- where arrays and programs live ----------------------------------------------------------
 
     def _where(self, device_ids: Sequence[int]) -> dict[int, pb.Device]:
-        """Where an array or program over exactly ``device_ids`` lives: each device's own worker if they are
-        of one island, else each device's twin on the members of the group of their islands (``rm.groups``).
+        """Where a program over exactly ``device_ids`` runs: its devices' own worker if they are of one island,
+        else each device's twin on the members of the group of their islands (``rm.groups``).
 
-        Off the loop this waits for the group to form; on the loop it must already serve (``placement_waits``).
+        Off the loop this waits for the group to form; on the loop it must serve already (``ready``).
         """
         devices = {d: self._device(d) for d in device_ids}
         islands = {device.island for device in devices.values()}
@@ -241,22 +241,39 @@ class ClusterSession:
             return devices
         placement = self.cluster.group(islands)
         if not placement.done and on_loop_thread(self.cluster.loop):
-            # (New arrays and programs check ``placement_waits`` first; an array of a group that is not serving now
-            # was lost with it.)
             raise WorkerLost(
                 f"the group of islands {group_name(islands)} is not serving now (it forms again once its hosts are "
-                "back); arrays over those islands are lost. Programs over one island keep running"
+                "back). Programs over one island keep running"
             )
-        group = placement.wait(tuning.GROUP_FORM_TIMEOUT_S.value + 60)
-        return {d: group.devices[d] for d in device_ids}
+        return self._members(placement.wait(tuning.GROUP_FORM_TIMEOUT_S.value + 60), device_ids)
 
-    def placement_waits(self, device_ids: Sequence[int]) -> bool:
-        """Whether ``_where`` would wait (a group of islands not formed yet): the proxy then works off its loop."""
-        islands = {self._device(d).island for d in device_ids}
-        return len(islands) > 1 and not self.cluster.group(islands).done
+    def _placed(self, device_ids: Sequence[int]) -> dict[int, pb.Device]:
+        """Where a new array over exactly ``device_ids`` is made: on the group of their islands if it serves
+        (programs over them run there), else on the islands' own workers (never waits: a program that needs the
+        array in the group moves it there)."""
+        devices = {d: self._device(d) for d in device_ids}
+        islands = {device.island for device in devices.values()}
+        group = self.cluster.serving(islands) if len(islands) > 1 else None
+        return devices if group is None else self._members(group, device_ids)
+
+    def _placement_of(self, value) -> dict[int, pb.Device]:
+        """Where ``value``'s shards are: its group's members' devices if it lives on a group, else its islands'."""
+        parts = value.parts if isinstance(value, PartedArray) else [value]
+        group = next((part.link.group for part in parts if part.link.group), "")
+        placement = self.cluster.last_placement(group) if group else None
+        if placement is None:
+            return {d: self._device(d) for d in value.sharding.device_ids}
+        return self._members(placement, value.sharding.device_ids)
+
+    def _members(self, group, device_ids: Sequence[int]) -> dict[int, pb.Device]:
+        where = {d: group.devices[d] for d in device_ids}
+        for device_id, member in where.items():  # its events name its devices in the member's ids
+            self._global_ids[(member.worker_id, member.local_id)] = device_id
+        return where
 
     def ready(self, device_ids: Sequence[int]) -> Pending | None:
-        """What work over ``device_ids`` must wait for before it is sent (a group of islands forming), or None."""
+        """What a program over ``device_ids`` must wait for before it is compiled or run (the group of their
+        islands forming), or None; it fails with DATA_LOSS naming a host that keeps the group from serving."""
         islands = {self._device(d).island for d in device_ids}
         if len(islands) <= 1:
             return None
@@ -264,7 +281,7 @@ class ClusterSession:
         return None if placement.done and placement.error is None else placement
 
     def _worker_ids(self, sharding: IfrtSharding) -> list[str]:
-        return sorted({device.worker_id for device in self._where(sharding.device_ids).values()})
+        return sorted({device.worker_id for device in self._placed(sharding.device_ids).values()})
 
     @staticmethod
     def _local(sharding: IfrtSharding, where: dict[int, pb.Device]) -> IfrtSharding:
@@ -287,7 +304,7 @@ class ClusterSession:
     # -- arrays ----------------------------------------------------------------------------
 
     def put(self, host: np.ndarray, sharding: IfrtSharding):
-        where = self._where(sharding.device_ids)
+        where = self._placed(sharding.device_ids)
         shape = tuple(host.shape)
         if len({device.worker_id for device in where.values()}) > 1:
             parts = [
@@ -307,7 +324,7 @@ class ClusterSession:
         return RemoteArray(link, array_id, kind, shape, sharding)
 
     def put_shards(self, shape: tuple[int, ...], sharding: IfrtSharding, shards: Sequence[np.ndarray]):
-        where = self._where(sharding.device_ids)
+        where = self._placed(sharding.device_ids)
         singles = [
             self._put_on(where[device_id], shard, IfrtSharding((device_id,), sharding.memory_kind))
             for shard, device_id in zip(shards, sharding.device_ids, strict=True)
@@ -316,7 +333,10 @@ class ClusterSession:
 
     def assemble(self, shape: tuple[int, ...], sharding: IfrtSharding, singles: Sequence):
         check_assemble_parts(sharding, [single.sharding.device_ids for single in singles])
-        where = self._where(sharding.device_ids)
+        return self._assemble_where(shape, sharding, singles, self._placed(sharding.device_ids))
+
+    def _assemble_where(self, shape: tuple[int, ...], sharding: IfrtSharding, singles: Sequence, where):
+        """One array of ``singles`` (one per device of ``sharding``), its shards where ``where`` says."""
         # A shard that lives elsewhere (of an island's worker, for an array over a group, or the other way) moves.
         singles = [self._moved(single, where[single.sharding.device_ids[0]]) for single in singles]
         by_link: dict[int, list] = {}
@@ -353,7 +373,7 @@ class ClusterSession:
             # no command to the worker, which reading a result back (fully_replicated_shard) would wait for.
             return [value]
         parts = value.parts if isinstance(value, MultiHostArray) else [value]
-        where = self._where(sharding.device_ids)
+        where = self._placement_of(value)
         singles = {}
         for part in parts:
             # Each host splits its own part: the shards of its devices, in the sharding's order.
@@ -380,7 +400,7 @@ class ClusterSession:
         """The value laid out by ``sharding``: on one worker, by sending between workers, or via the proxy."""
         if isinstance(value, MultiHostArray):
             value = ShardedRemoteArray(self.disassemble(value, value.sharding), value.shape, value.sharding)
-        where = self._where(sharding.device_ids)
+        where = self._placed(sharding.device_ids)
         targets = sorted({device.worker_id for device in where.values()})
         if isinstance(value, RemoteArray) and targets == [value.link.worker_id] and value.link.alive:
             array_id = value.link.new_id()
@@ -416,10 +436,7 @@ class ClusterSession:
         return RemoteArray(target, array_id, value.kind, shape, sharding)
 
     def copy_blocks(self, value, sharding: IfrtSharding) -> bool:
-        """Whether the copy waits: it goes through the proxy (no source shard holds some target shard: it reads
-        the value), or its target is a group of islands that is not formed yet."""
-        if self.placement_waits(sharding.device_ids):
-            return True
+        """Whether the copy goes through the proxy (no source shard holds some target shard): it reads the value."""
         if isinstance(value, RemoteArray) and len(self._worker_ids(sharding)) == 1:
             return False
         source_regions = _source_regions(value)
@@ -563,9 +580,15 @@ class ClusterSession:
         return results
 
     def _execute_on_hosts(self, program: RemoteProgram, args: Sequence, keep: frozenset[int]) -> list:
-        """Runs a program on every host of its island (or group), each on its part of the arguments, in their order."""
+        """Runs a program on every host of its island (or group), each on its part of the arguments, in their order.
+
+        An argument of a program over a group of islands that lives on the islands' own workers (it was made
+        while the group did not serve) is sent to the group first.
+        """
         hosts = [self._current(host) for host in program.hosts]
         links = [self._link(host) for host in hosts]
+        if hosts[0].group:
+            args = [self._into(arg, links) for arg in args]
         for index, arg in enumerate(args):
             if not (isinstance(arg, MultiHostArray) and [part.link for part in arg.parts] == links):
                 raise InvalidRequest(
@@ -597,6 +620,19 @@ class ClusterSession:
             MultiHostArray(parts, aval.shape, sharding)
             for parts, aval, sharding in zip(results, program.signature.results, program.output_shardings, strict=True)
         ]
+
+    def _into(self, value, links: list[WorkerLink]):
+        """``value`` as an array of the group whose members ``links`` lead to: as it is, or moved there."""
+        if isinstance(value, MultiHostArray) and [part.link for part in value.parts] == links:
+            return value
+        if not isinstance(value, PartedArray | RemoteArray) or not links[0].group:
+            return value
+        placement = self.cluster.last_placement(links[0].group)
+        if placement is None or any(d not in placement.devices for d in value.sharding.device_ids):
+            return value  # (not over the group's devices: the check after says so)
+        where = self._members(placement, value.sharding.device_ids)
+        singles = value.parts if isinstance(value, ShardedRemoteArray) else self.disassemble(value, value.sharding)
+        return self._assemble_where(value.shape, value.sharding, singles, where)
 
     def cost_analysis(self, program: RemoteProgram) -> dict[str, float]:
         device = self._current(self._device(program.device_ids[0]))

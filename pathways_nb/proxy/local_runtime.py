@@ -109,10 +109,6 @@ class LocalSession:
         """Never: jax copies between this process's devices asynchronously."""
         return False
 
-    def placement_waits(self, device_ids: Sequence[int]) -> bool:
-        """Never: every device is this process's."""
-        return False
-
     def ready(self, device_ids: Sequence[int]) -> None:
         """Work over any of this process's devices can go at once."""
 

@@ -122,7 +122,7 @@ def make_array_from_host_buffer(session, request, op_id):
         if error is not None:
             record.fail(error)
             return
-        _put_when_arrived(session, record, lambda: put(data), data.nbytes, sharding)
+        _put_when_arrived(session, record, lambda: put(data), data.nbytes)
         _record_transfer(session, "upload", f"{dtype}{list(shape)}", sharding, started, data.nbytes)
 
     session.when_done(upload, arrived)
@@ -181,14 +181,13 @@ def _make_from_shards(session, handle: int, spec, uploads: list[Pending]) -> Non
         if error is not None:
             record.fail(error)
             return
-        _put_when_arrived(session, record, put, sum(u.value.nbytes for u in uploads), sharding)
+        _put_when_arrived(session, record, put, sum(u.value.nbytes for u in uploads))
 
     when_all(uploads, lambda error: session.on_loop(lambda: all_arrived(error)))
 
 
-def _put_when_arrived(session, record: ArrayRecord, put, nbytes: int, sharding: IfrtSharding) -> None:
-    """Sets ``record`` to ``put()``'s device value: on the wait pool for a large upload (or one over islands whose
-    group is not formed yet), else at once."""
+def _put_when_arrived(session, record: ArrayRecord, put, nbytes: int) -> None:
+    """Sets ``record`` to ``put()``'s device value: on the wait pool for a large upload, else at once."""
 
     def done(value, error) -> None:
         if error is not None:
@@ -196,7 +195,7 @@ def _put_when_arrived(session, record: ArrayRecord, put, nbytes: int, sharding: 
         else:
             record.set(value)
 
-    if nbytes >= tuning.OFF_LOOP_BYTES.value or session.runtime.placement_waits(sharding.device_ids):
+    if nbytes >= tuning.OFF_LOOP_BYTES.value:
         session.in_background(put, done)
         return
     try:
@@ -347,7 +346,6 @@ def assemble(session, request, op_id):
         record,
         lambda: session.runtime.assemble(shape, sharding, [r.live() for r in inputs]),
         request.copy_semantics,
-        blocks=lambda: session.runtime.placement_waits(sharding.device_ids),
     )
     return session.messages.proxy.AssembleArrayFromSingleDeviceArraysResponse(array_handle=handle)
 
