@@ -16,7 +16,16 @@ from nbclient import NotebookClient
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 DOCS_PAGE = NOTEBOOKS.parent / "docs" / "notebooks.md"
-EXECUTED = ["pipeline", "sharing", "multihost", "failures", "profiling", "colocated_input", "checkpoints"]
+EXECUTED = [
+    "pipeline",
+    "sharing",
+    "multihost",
+    "multislice",
+    "failures",
+    "profiling",
+    "colocated_input",
+    "checkpoints",
+]
 NOT_EXECUTED = {"cloud": "needs a remote cluster", "quickstart": "tests/test_quickstart.py runs it"}
 
 
@@ -110,6 +119,16 @@ def test_multihost_runs_one_program_across_both_hosts(kernel_installed):
     assert 'data-host="0"' in island_map and 'data-host="1"' in island_map
     text = "".join(_outputs(c) for c in cells)
     assert "shards on hosts: [0, 1]" in text and "loss:" in text
+
+
+def test_multislice_trains_across_two_islands_and_through_losing_one(kernel_installed):
+    _notebook, cells = _execute("multislice")
+    assert "[(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]" in _outputs(cells[0])
+    assert "equal to local JAX's (float32 rounding): True" in _outputs(_cell(cells, "def train"))
+    assert "group of islands 0+1: serving=True, 4 members" in _outputs(_cell(cells, "for group in"))
+    elastic = _outputs(_cell(cells, "from pathwaysutils.elastic"))
+    assert "trained on island 0 alone while island 1 was down: True" in elastic, elastic
+    assert "[[0, 1], [0, 1], [0, 1]]" in elastic
 
 
 def test_failures_kill_a_worker_see_the_error_and_bring_it_back(kernel_installed):

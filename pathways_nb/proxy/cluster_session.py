@@ -7,8 +7,10 @@ Device ids are the cluster's global ids; a worker only ever sees its own local i
 - device -> device across workers (islands): the source worker sends straight
   to the destination worker; the proxy only tells both what to do.
 
-A program runs on one island; one that spans islands is refused with an explanation of how to
-pipeline across them.
+A program runs where its devices are: on one island's workers, or, if they span islands, on the
+members of the group of those islands (``rm.groups``), which the proxy has the resource manager form
+when a program first needs it. An array over several islands lives on their group if it serves, else
+on the islands' own workers until a program over it moves it.
 """
 
 from __future__ import annotations
