@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -88,6 +89,9 @@ def test_a_dead_host_fails_its_group_s_work_with_data_loss_and_spares_the_other_
     alone = python_script(CLIENTS / "multislice_steps.py", pair.address, "alone", "0")
     try:
         assert both.stdout.readline().strip() == "ready" and alone.stdout.readline().strip() == "ready"
+        reports: list[dict] = []  # island 0's session's, read as they come (a full pipe would stop it)
+        reader = threading.Thread(target=lambda: reports.extend(json.loads(line) for line in alone.stdout))
+        reader.start()
         old_pid = pair.workers[(1, 0)].process.pid
         killed = time.time()
         os.kill(old_pid, signal.SIGKILL)
@@ -96,10 +100,8 @@ def test_a_dead_host_fails_its_group_s_work_with_data_loss_and_spares_the_other_
         assert lost["error"].startswith("DATA_LOSS") and "island 1 host 0" in lost["error"], lost
         pair.wait_for_worker(1, 0, not_pid=old_pid)
         back = _next_report(both, lambda report: report.get("ok"))
-        for client in (both, alone):
-            client.stdin.close()
-        out, _err = finish(alone, 60)
-        reports = [json.loads(line) for line in out.splitlines()]
+        finish(alone, 60)  # (closes its input: it ends)
+        reader.join(60)
         assert reports and all(r.get("ok") for r in reports), [r for r in reports if not r.get("ok")][:3]
         during = [r for r in reports if killed < r["at"] < back["at"]]
         assert during, "island 0's session ran no step while island 1 was lost"
