@@ -137,7 +137,7 @@ def test_already_connected_then_disconnect_and_reconnect(kernel, cluster):
 
 
 def test_connect_local_starts_and_stops_a_cluster(kernel):
-    out = kernel.run("%pathways connect local --islands 1 --devices-per-host 2")
+    out = kernel.run("%pathways connect local --islands 1 --devices_per_host 2")
     assert not out["errors"], out
     assert "LocalCluster running" in out["data"][-1]["text/html"]
     pids = kernel.run(
