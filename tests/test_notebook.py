@@ -165,7 +165,9 @@ def test_already_connected_then_disconnect_and_reconnect(kernel, cluster):
 def test_connect_local_starts_and_stops_a_cluster(kernel):
     out = kernel.run("%pathways connect local --islands 1 --devices_per_host 2")
     assert not out["errors"], out
-    assert "LocalCluster running" in out["data"][-1]["text/html"]
+    html = out["data"][-1]["text/html"]
+    assert "<td>1 island(s) x 1 host(s) x 2 cpu device(s), pathways-nb " in html
+    assert "started by this notebook (%pathways disconnect stops it)</td>" in html
     pids = kernel.run(
         "import pathways_nb\nprint(*[c.process.pid for c in pathways_nb.current().local_cluster.processes()])"
     )["stdout"].split()
