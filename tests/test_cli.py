@@ -217,7 +217,11 @@ def test_up_logs_at_its_level_to_files_it_names_which_logs_shows_follows_and_a_f
     )
     follow = None
     try:
-        printed = "".join(iter(up.stdout.readline, "  Ctrl-C stops it.\n"))
+        printed = ""
+        for line in iter(up.stdout.readline, ""):  # to its last line, or its end (a failed start)
+            printed += line
+            if line.startswith("  Ctrl-C stops it."):
+                break
         match = re.search(r"its processes log \(INFO\) to (\S+)/: (.*)\n", printed)
         assert match, printed
         directory, names = Path(match[1]), match[2].split(", ")
