@@ -1,7 +1,8 @@
 """The ``pathways-nb`` command.
 
 Flags follow Pathways' containers (``--server_port``, ``--resource_manager_address``)
-so an operator who knows those recognizes them.
+so an operator who knows those recognizes them: every flag is declared with underscores,
+and ``core.command_line.ArgumentParser`` also reads it with hyphens (``--hosts-per-island``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from collections.abc import Sequence
 
 from pathways_nb._version import __version__
 from pathways_nb.core import security, tuning
+from pathways_nb.core.command_line import ArgumentParser
+from pathways_nb.errors import PathwaysError
+from pathways_nb.launch.processes import LOG_FORMAT
 
 
 def _serve_proxy(args: argparse.Namespace) -> int:
@@ -167,7 +171,7 @@ def _serve_colocated_host(args: argparse.Namespace) -> int:
     from pathways_nb.launch.colocated_host import ColocatedHostServer, choose_policy
 
     started = time.monotonic()
-    policy = choose_policy(args.executor_python, args.executor_uid_base)
+    policy = choose_policy(args.colocated_python_executable, args.executor_uid_base)
     credentials = security.ClusterCredentials.from_args(args)
     if not credentials.token:
         logging.getLogger("pathways_nb").warning(
@@ -191,38 +195,55 @@ def _up(args: argparse.Namespace) -> int:
         islands=args.islands,
         hosts_per_island=args.hosts_per_island,
         devices_per_host=args.devices_per_host,
-        port=args.port,
+        port=args.server_port,
         platform=args.platform,
+        start=False,
         token=security.ClusterCredentials.from_args(args).token,
         colocated_python=args.colocated_python,
         colocated_python_executable=args.colocated_python_executable,
         storage_root=args.storage_root,
         worker_timeout_s=args.worker_timeout,
+        log_level=args.log_level,
+        keep_logs=args.keep_logs or None,
     )
     token_directory = None
-    token_file = args.token_file
-    if token_file is None:  # tell the user where the token is, never the token itself
-        token_directory = tempfile.TemporaryDirectory(prefix="pathways-nb-token-")
-        token_file = os.path.join(token_directory.name, "token")
-        security.write_token_file(token_file, cluster.token)
-    stop = StopRequest()
-    spec = cluster.spec
-    print(
-        f"pathways-nb cluster serving {cluster.address}: {spec.islands} island(s) x {spec.hosts_per_island} "
-        f"host(s) x {spec.devices_per_host} {spec.platform} device(s), started in {cluster.startup_s:.1f} s\n"
-        f"  connect with: pathways_nb.connect({cluster.address!r})\n"
-        f"  or: JAX_PLATFORMS=proxy JAX_BACKEND_TARGET={cluster.address} python ...\n"
-        f"  the cluster views need its token: export {security.TOKEN_ENV}=$(cat {token_file})\n"
-        f"  profiles and checkpoints (gs://BUCKET/PATH) are written under {cluster.storage_root}\n"
-        "  Ctrl-C stops it.",
-        flush=True,
-    )
     try:
+        cluster.start()
+        token_file = args.token_file
+        if token_file is None:  # tell the user where the token is, never the token itself
+            token_directory = tempfile.TemporaryDirectory(prefix="pathways-nb-token-")
+            token_file = os.path.join(token_directory.name, "token")
+            security.write_token_file(token_file, cluster.token)
+        stop = StopRequest()
+        spec = cluster.spec
+        logs = ", ".join(os.path.basename(path) for path in cluster.log_paths.values())
+        print(
+            f"pathways-nb cluster serving {cluster.address}: {spec.islands} island(s) x {spec.hosts_per_island} "
+            f"host(s) x {spec.devices_per_host} {spec.platform} device(s), started in {cluster.startup_s:.1f} s\n"
+            f"  connect with: pathways_nb.connect({cluster.address!r})\n"
+            f"  or: JAX_PLATFORMS=proxy JAX_BACKEND_TARGET={cluster.address} python ...\n"
+            f"  the cluster views need its token: export {security.TOKEN_ENV}=$(cat {token_file})\n"
+            f"  profiles and checkpoints (gs://BUCKET/PATH) are written under {cluster.storage_root}\n"
+            f"  its processes log ({args.log_level}) to {cluster.log_directory}/: {logs}\n"
+            "    (pathways-nb logs [--follow] shows them; kept if the run fails)\n"
+            "  Ctrl-C stops it.",
+            flush=True,
+        )
         stop.wait()
     finally:
         cluster.close()
         if token_directory is not None:
             token_directory.cleanup()
+    return 0
+
+
+def _logs(args: argparse.Namespace) -> int:
+    from pathways_nb.launch import cluster_logs
+
+    try:
+        cluster_logs.show(cluster_logs.find(args.server_port), args.process, args.tail, args.follow)
+    except KeyboardInterrupt:  # the end of --follow
+        pass
     return 0
 
 
@@ -285,10 +306,16 @@ def _add_storage_root(parser: argparse.ArgumentParser, what: str) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from pathways_nb.launch.colocated_host import DEFAULT_UID_BASE
 
-    parser = argparse.ArgumentParser(prog="pathways-nb", description="Run JAX on a Pathways-style cluster.")
+    parser = ArgumentParser(prog="pathways-nb", description="Run JAX on a Pathways-style cluster.")
     parser.add_argument("--version", action="version", version=f"pathways-nb {__version__}")
+    # Taken by every command, and by a group of commands too (deploy, kernel): the level given last wins.
+    # Its default is the program's, not each parser's, so a command's parser never resets the level given
+    # before it (``deploy --log_level DEBUG k8s``).
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--log_level", default="WARNING", help="Python log level (DEBUG, INFO, WARNING, ...)")
+    common.add_argument(
+        "--log_level", default=argparse.SUPPRESS, help="Python log level (DEBUG, INFO, WARNING, ...); default WARNING"
+    )
+    parser.set_defaults(log_level="WARNING")
     commands = parser.add_subparsers(dest="command", required=True)
 
     proxy = commands.add_parser(
@@ -404,11 +431,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     colocated.add_argument("--socket", required=True, help="the unix socket to serve on")
     colocated.add_argument(
-        "--executor_python",
+        "--colocated_python_executable",
         default=None,
         help="the Python interpreter executors run (default: this one); other users must be able to read it "
         "for executors to run as users of their own",
     )
+    colocated.alias("--executor_python", "--colocated_python_executable")
     colocated.add_argument(
         "--executor_uid_base",
         type=int,
@@ -421,9 +449,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = commands.add_parser("up", parents=[common], help="start a whole cluster on this machine (Ctrl-C stops it)")
     up.add_argument("--islands", type=int, default=2, help="number of islands")
-    up.add_argument("--hosts-per-island", dest="hosts_per_island", type=int, default=1, help="hosts per island")
-    up.add_argument("--devices-per-host", dest="devices_per_host", type=int, default=4, help="devices per host")
-    up.add_argument("--port", type=int, default=29000, help="the proxy's port; 0 picks a free one")
+    up.add_argument("--hosts_per_island", type=int, default=1, help="hosts per island")
+    up.add_argument("--devices_per_host", type=int, default=4, help="devices per host")
+    up.add_argument("--server_port", type=int, default=29000, help="the proxy's port; 0 picks a free one")
+    up.alias("--port", "--server_port")
     up.add_argument("--platform", default="cpu", help="the workers' platform")
     up.add_argument(
         "--colocated_python",
@@ -448,8 +477,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds within which a worker that stopped answering is found dead (longer than the resource "
         "manager's 3 s: processes that share a machine's cores can stall for seconds when it is busy)",
     )
+    up.add_argument(
+        "--keep_logs",
+        action="store_true",
+        help="keep its processes' logs when it stops (default: only if the run failed: a process ended or "
+        "logged an error)",
+    )
     security.add_arguments(up, serve_tls=False, call_tls=False)
     up.set_defaults(run=_up)
+
+    logs = commands.add_parser(
+        "logs", parents=[common], help="show the logs of a cluster that pathways-nb up (or LocalCluster) runs here"
+    )
+    logs.add_argument(
+        "process", nargs="*", help="which processes (proxy, resource-manager, worker-0-0, ...; default: all)"
+    )
+    logs.add_argument(
+        "--server_port", type=int, default=None, help="the cluster whose proxy has this port (default: the only one)"
+    )
+    logs.add_argument("--follow", action="store_true", help="keep showing new lines until the cluster stops")
+    logs.add_argument("--tail", type=int, default=None, help="only the last N lines of each (default: all)")
+    logs.set_defaults(run=_logs)
 
     deploy = commands.add_parser("deploy", parents=[common], help="write what runs a cluster on other machines")
     targets = deploy.add_subparsers(dest="deploy_target", required=True)
@@ -457,12 +505,8 @@ def build_parser() -> argparse.ArgumentParser:
         "k8s", parents=[common], help="Kubernetes: a JobSet, the proxy's Service, the token Secret, a Dockerfile"
     )
     k8s.add_argument("--islands", type=int, required=True, help="number of islands (one worker Job each)")
-    k8s.add_argument(
-        "--hosts-per-island", dest="hosts_per_island", type=int, required=True, help="hosts (worker pods) per island"
-    )
-    k8s.add_argument(
-        "--devices-per-host", dest="devices_per_host", type=int, required=True, help="devices (chips) per host"
-    )
+    k8s.add_argument("--hosts_per_island", type=int, required=True, help="hosts (worker pods) per island")
+    k8s.add_argument("--devices_per_host", type=int, required=True, help="devices (chips) per host")
     k8s.add_argument("--accelerator", default="cpu", help="cpu, tpu-v5e:2x2 or nvidia-h100:8 (default cpu)")
     k8s.add_argument("--image", default=f"pathways-nb:{__version__}", help="the image built from this repository")
     k8s.add_argument("--namespace", default=None, help="Kubernetes namespace (default: kubectl's current one)")
@@ -481,7 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
     install = kernel_commands.add_parser("install", parents=[common], help='install the "Python 3 (Pathways)" kernel')
     where = install.add_mutually_exclusive_group()
     where.add_argument("--user", action="store_true", help="for this user only")
-    where.add_argument("--sys-prefix", dest="sys_prefix", action="store_true", help="in this Python environment")
+    where.add_argument("--sys_prefix", action="store_true", help="in this Python environment")
     where.add_argument("--prefix", default=None, help="under this prefix")
     install.add_argument("--name", default="pathways", help="the kernel's name")
     install.set_defaults(run=_kernel_install)
@@ -491,10 +535,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     try:
         return args.run(args)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, PathwaysError) as e:
         parser.exit(2, f"pathways-nb {args.command}: {e}\n")
 
 

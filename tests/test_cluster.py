@@ -257,7 +257,18 @@ def test_children_stop_when_their_launcher_is_killed():
 
 def test_up_prints_its_address_and_stops_on_ctrl_c():
     up = subprocess.Popen(
-        [sys.executable, "-m", "pathways_nb.cli", "up", "--islands", "1", "--devices-per-host", "1", "--port", "0"],
+        [
+            sys.executable,
+            "-m",
+            "pathways_nb.cli",
+            "up",
+            "--islands",
+            "1",
+            "--devices_per_host",
+            "1",
+            "--server_port",
+            "0",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -47,7 +47,7 @@ def host():
     python = other_users_python()
     server = ChildServer(
         "colocated-host",
-        ["colocated-host", "--socket", socket_path, *(["--executor_python", python] if python else [])],
+        ["colocated-host", "--socket", socket_path, *(["--colocated_python_executable", python] if python else [])],
         env={**os.environ, "PATHWAYS_CLUSTER_TOKEN": token},
     )
     server.start(120)

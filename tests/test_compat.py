@@ -66,7 +66,7 @@ class _Py312Server:
             arguments = ["proxy", "--server_port", "0", "--devices", "4", "--port_file", str(port_file)]
         else:
             port_file = None
-            arguments = ["up", "--islands", "1", "--devices-per-host", "4", "--port", "0"]
+            arguments = ["up", "--islands", "1", "--devices_per_host", "4", "--server_port", "0"]
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen(
                 [PY312, "-m", "pathways_nb.cli", *arguments],

@@ -107,14 +107,14 @@ def _commands(program: argparse.ArgumentParser | None = None) -> dict[str, argpa
 
 
 def _flags(parser: argparse.ArgumentParser, hidden: bool = False) -> set[str]:
-    """The parser's ``--`` flags (with ``hidden``, also --help and those whose help is suppressed)."""
+    """The parser's ``--`` flags (with ``hidden``, also --help, those whose help is suppressed and former names)."""
     return {
         option
         for action in parser._actions
         if hidden or (action.help != argparse.SUPPRESS and not isinstance(action, argparse._HelpAction))
         for option in action.option_strings
         if option.startswith("--")
-    }
+    } | (set(parser.former_names) if hidden else set())
 
 
 def _cli_sections() -> dict[str, str]:
@@ -150,7 +150,13 @@ def test_every_flag_of_every_command_is_in_its_section_of_cli_md():
 
 def _wrong_defaults(command: str, parser: argparse.ArgumentParser, section: str) -> list[str]:
     """Table rows whose default is not the parser's (where the parser has one; words where it has None)."""
-    defaults = {option: action.default for action in parser._actions for option in action.option_strings}
+    # A default the program sets for all its commands (--log_level's) is the program's, not the parser's.
+    program = cli.build_parser()
+    defaults = {
+        option: program.get_default(action.dest) if action.default == argparse.SUPPRESS else action.default
+        for action in parser._actions
+        for option in action.option_strings
+    }
     wrong = []
     for flag, documented in re.findall(r"^\| `(--[\w-]+)` \| ([^|]*) \|", section, flags=re.MULTILINE):
         default = defaults[flag]

@@ -40,7 +40,7 @@ DOCS_MANIFESTS = REPOSITORY / "docs" / "kubernetes"
 JOBSET_SCHEMA = json.loads((pathlib.Path(__file__).parent / "data" / "jobset_v1alpha2_schema.json").read_text())
 # The oldest Kubernetes these manifests are meant for (gRPC probes are GA from 1.27) and the newest known.
 KUBERNETES_VERSIONS = ("1.29", kubernetes_validate.utils.latest_version())
-DOCUMENTED = ["--islands", "2", "--hosts-per-island", "1", "--devices-per-host", "4"]
+DOCUMENTED = ["--islands", "2", "--hosts_per_island", "1", "--devices_per_host", "4"]
 
 # (accelerator, islands, hosts per island, devices per host)
 SHAPES = [("cpu", 2, 1, 4), ("cpu", 2, 2, 2), ("tpu-v5e:2x2", 2, 2, 4), ("nvidia-h100:8", 2, 1, 8)]
@@ -55,7 +55,7 @@ def deploy_shape(directory: pathlib.Path, accelerator: str, islands: int, hosts:
     return deploy(
         directory,
         *["--accelerator", accelerator, "--islands", str(islands)],
-        *["--hosts-per-island", str(hosts), "--devices-per-host", str(devices)],
+        *["--hosts_per_island", str(hosts), "--devices_per_host", str(devices)],
     )
 
 
@@ -414,11 +414,11 @@ def test_the_schemas_catch_a_broken_service(tmp_path, no_network):
     [
         (["--accelerator", "tpu-v9"], "use one of cpu, tpu-v5e:2x2, nvidia-h100:8"),
         (
-            ["--accelerator", "tpu-v5e:2x2", "--devices-per-host", "8"],
-            "whose hosts have 4 chips: use --devices-per-host 4",
+            ["--accelerator", "tpu-v5e:2x2", "--devices_per_host", "8"],
+            "whose hosts have 4 chips: use --devices_per_host 4",
         ),
-        (["--accelerator", "nvidia-h100:8"], "whose hosts have 8 chips: use --devices-per-host 8"),
-        (["--accelerator", "tpu-v5e:2x2", "--hosts-per-island", "3"], "choose one of those host counts"),
+        (["--accelerator", "nvidia-h100:8"], "whose hosts have 8 chips: use --devices_per_host 8"),
+        (["--accelerator", "tpu-v5e:2x2", "--hosts_per_island", "3"], "choose one of those host counts"),
         (["--name", "Pathways"], "cannot name Kubernetes objects"),
         (["--islands", "0"], "each must be at least 1"),
         (["--namespace", "ML_team"], "is not a Kubernetes namespace name"),
@@ -456,7 +456,7 @@ def test_colocated_python_gives_each_worker_pod_a_colocated_host_beside_it(tmp_p
 
 
 def test_colocated_python_on_accelerators_says_it_needs_cpu_workers(tmp_path, capsys):
-    flags = ["--accelerator", "nvidia-h100:8", "--islands", "1", "--hosts-per-island", "1", "--devices-per-host", "8"]
+    flags = ["--accelerator", "nvidia-h100:8", "--islands", "1", "--hosts_per_island", "1", "--devices_per_host", "8"]
     with pytest.raises(SystemExit) as exit_info:
         main(["deploy", "k8s", *flags, "--colocated_python", "--output", str(tmp_path / "out")])
     assert exit_info.value.code == 2
@@ -573,7 +573,7 @@ def test_the_pods_run_here_and_serve_jax(tmp_path):
 def test_an_island_of_two_hosts_registers_and_runs_one_program_across_them(tmp_path):
     """1 island of 2 hosts: the resource manager accepts both hosts, and a sharded jit runs on all 4 devices."""
     objects = load_objects(
-        deploy(tmp_path / "k8s", "--islands", "1", "--hosts-per-island", "2", "--devices-per-host", "2")
+        deploy(tmp_path / "k8s", "--islands", "1", "--hosts_per_island", "2", "--devices_per_host", "2")
     )
     with running(objects, tmp_path / "secrets") as pods:
         workers = wait_for_workers(pods, token_of(objects), {(0, 0), (0, 1)})

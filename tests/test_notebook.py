@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+import pathways_nb
+from pathways_nb.client import timeline
 from pathways_nb.testing import KernelSession
 
 
@@ -64,6 +66,11 @@ def test_connect_run_and_look(kernel, cluster):
     assert not out["errors"], out
     assert cluster.address in out["data"][-1]["text/html"]
     assert "notebook-test" in out["data"][-1]["text/html"]
+    # The whole cluster in one row: its shape, its server's version, where it is.
+    (row,) = re.findall(r"<th[^>]*>cluster</th><td>([^<]*)</td>", out["data"][-1]["text/html"])
+    assert (
+        row == f"2 island(s) x 1 host(s) x 4 cpu device(s), pathways-nb {pathways_nb.__version__}, at {cluster.address}"
+    )
 
     out = kernel.run(
         "import jax, jax.numpy as jnp, numpy as np\n"
@@ -91,6 +98,25 @@ def test_connect_run_and_look(kernel, cluster):
     out = kernel.run("%pathways allocations")
     (model,) = out["widgets"]
     assert "notebook-test" in kernel.widget_state(model)["value"]
+
+    # Right after the first run, the compiles do not set the timeline's scale: they are in a narrow band before
+    # the steps, marked, whatever their length.
+    out = kernel.run("%pathways timeline")
+    (model,) = out["widgets"]
+    svg = kernel.widget_state(model)["value"]
+    (band,) = re.findall(r'class="pw-break pw-first-step" x="([\d.]+)" y="\d+" width="([\d.]+)"', svg)
+    band_start, band_end = float(band[0]), float(band[0]) + float(band[1])
+    assert float(band[1]) <= timeline.FIRST_STEP_WIDTH_PX and "first step + compile: " in svg
+    compiles = re.findall(
+        r'class="pw-bar pw-compile" data-device="\d+" x="([\d.]+)" y="\d+" width="([\d.]+)"'
+        r"[^>]*><title>compile: jit__lambda",
+        svg,
+    )
+    assert len(compiles) == 2 and all(
+        band_start <= float(x) and float(x) + float(w) <= band_end + 0.5 for x, w in compiles
+    )
+    steps = [float(x) for x in re.findall(r'class="pw-step" x1="([\d.]+)"', svg)]
+    assert len(steps) == 8 and steps[0] <= band_end <= min(steps[1:]) + 0.1, (band, steps)
 
     out = kernel.run("%pathways timeline --last 5")
     (model,) = out["widgets"]
@@ -137,9 +163,11 @@ def test_already_connected_then_disconnect_and_reconnect(kernel, cluster):
 
 
 def test_connect_local_starts_and_stops_a_cluster(kernel):
-    out = kernel.run("%pathways connect local --islands 1 --devices-per-host 2")
+    out = kernel.run("%pathways connect local --islands 1 --devices_per_host 2")
     assert not out["errors"], out
-    assert "LocalCluster running" in out["data"][-1]["text/html"]
+    html = out["data"][-1]["text/html"]
+    assert "<td>1 island(s) x 1 host(s) x 2 cpu device(s), pathways-nb " in html
+    assert "started by this notebook (%pathways disconnect stops it)</td>" in html
     pids = kernel.run(
         "import pathways_nb\nprint(*[c.process.pid for c in pathways_nb.current().local_cluster.processes()])"
     )["stdout"].split()

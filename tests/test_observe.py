@@ -31,6 +31,12 @@ def test_session_views_fall_back_to_jax_devices(foreign_server):
     islands = session.islands()
     assert list(islands["devices"]) == [len(jax.devices("cpu"))]
     assert "Pathways on Cloud" in session._repr_html_()
+    devices = len(jax.devices("cpu"))
+    row = f'<th style="text-align:left">cluster</th><td>1 island(s) x 1 host(s) x {devices} cpu device(s), pjrt, at '
+    assert row + foreign_server in session._repr_html_()
+    # What the table shows is text, never markup (a tenant names itself).
+    named = Session(foreign_server, jax.devices("cpu"), "cpu", "pjrt", "<b>someone</b>")._repr_html_()
+    assert "&lt;b&gt;someone&lt;/b&gt;" in named and "<b>someone" not in named
     with pytest.raises(ObserveUnavailable):
         session.allocations()
     with pytest.raises(ObserveUnavailable):

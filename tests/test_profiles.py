@@ -198,7 +198,7 @@ def test_profile_in_a_kernel_shows_both_islands_devices(kernel, tmp_path):
 
 
 def test_profile_cell_magic(kernel, tmp_path):
-    out = kernel.run(f"%%pathways profile {tmp_path} --no-servers\ntrain(2)")
+    out = kernel.run(f"%%pathways profile {tmp_path} --no_servers\ntrain(2)")
     assert not out["errors"], out
     assert "trace files in" in out["stdout"] and "xprof --logdir" in out["stdout"]
     assert {"0", "4"} <= _device_rows(out["data"][-1]["text/html"])

@@ -285,7 +285,7 @@ def test_a_stalled_worker_of_a_machine_s_cluster_is_not_called_dead_and_keeps_it
 @pytest.mark.parametrize("timeout", ["0", "-3", "nan", "inf"])
 def test_up_refuses_a_worker_time_out_that_is_not_a_positive_number_before_starting_anything(timeout, capsys):
     with pytest.raises(SystemExit) as exit_:
-        cli.main(["up", "--port", "0", "--worker_timeout", timeout])
+        cli.main(["up", "--server_port", "0", "--worker_timeout", timeout])
     assert exit_.value.code == 2
     assert f"pathways-nb up: the worker time-out must be a number of seconds > 0, not {float(timeout)!r}" in (
         capsys.readouterr().err
@@ -306,7 +306,18 @@ def _workers_of(pid: int) -> list[psutil.Process]:
 
 def test_up_restarts_a_dead_worker_and_says_why():
     up = subprocess.Popen(
-        [sys.executable, "-m", "pathways_nb.cli", "up", "--islands", "1", "--devices-per-host", "1", "--port", "0"],
+        [
+            sys.executable,
+            "-m",
+            "pathways_nb.cli",
+            "up",
+            "--islands",
+            "1",
+            "--devices_per_host",
+            "1",
+            "--server_port",
+            "0",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

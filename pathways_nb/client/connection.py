@@ -8,6 +8,7 @@ message that names it, rather than at the first ``jax.devices()``.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import socket
@@ -158,16 +159,44 @@ class Session:
             server=f"pathways-nb {state.proxy_version}" if state is not None and state.proxy_version else self.runtime,
             tenants=", ".join(tenants),
             unhealthy=", ".join(unhealthy),
-            local_cluster=repr(self.local_cluster) if self.local_cluster is not None else "",
+            cluster=self._describe_cluster(state),
             note=self._note,
         )
+
+    def _describe_cluster(self, state: pb.ClusterState | None) -> str:
+        """The whole cluster in a line: its shape (islands, hosts, devices), its server and address."""
+        if state is not None and state.devices:
+            places = [(d.island, d.host_index) for d in state.devices]
+            platform, server = state.devices[0].platform, f"pathways-nb {state.proxy_version}"
+        else:  # a server without the observe API: what jax.devices() says, as the island map reads it
+            table = tables.devices_from_jax(self.devices)
+            places = list(zip(table["island"], table["host_index"], strict=True))
+            platform, server = self.platform, self.runtime
+        described = [_shape(places, platform), server, f"at {self.address}"]
+        if self.local_cluster is not None:
+            described.append("started by this notebook (%pathways disconnect stops it)")
+        return ", ".join(part for part in described if part)
+
+
+def _shape(places: list[tuple[int, int]], platform: str) -> str:
+    """``2 island(s) x 1 host(s) x 4 cpu device(s)`` where all islands and hosts are alike, else the totals."""
+    islands = collections.Counter(island for island, _host in places)
+    hosts = collections.Counter(places)
+    hosts_per_island = collections.Counter(island for island, _host in hosts)
+    if len(set(hosts_per_island.values())) == 1 and len(set(hosts.values())) == 1:
+        per_island, per_host = next(iter(hosts_per_island.values())), next(iter(hosts.values()))
+        return f"{len(islands)} island(s) x {per_island} host(s) x {per_host} {platform} device(s)"
+    return f"{len(islands)} island(s), {len(hosts)} host(s), {len(places)} {platform} device(s)"
 
 
 def _template(name: str):
     import jinja2
 
     environment = jinja2.Environment(
-        loader=jinja2.PackageLoader("pathways_nb.client", "templates"), autoescape=jinja2.select_autoescape()
+        # Every template is HTML (``.html.j2``, which select_autoescape's default, by extension, left unescaped:
+        # the cluster row's ``<LocalCluster ...>`` was read as a tag and showed nothing).
+        loader=jinja2.PackageLoader("pathways_nb.client", "templates"),
+        autoescape=True,
     )
     return environment.get_template(name)
 

@@ -4,13 +4,25 @@ Built from the proxy's events. A *step* is one execution of the step program:
 the program executed most often, unless one is named. ``svg()`` draws it
 (what the notebook widget shows), ``chrome_trace()`` exports it for Perfetto
 or chrome://tracing, ``to_pandas()`` gives the rows.
+
+The drawing's time axis is set by what the devices did (executions, transfers,
+profiled programs and ops), so that the steps fill it: right after a first run,
+seconds of compiling would otherwise squeeze milliseconds of steps into the last
+pixels. Compiles, waits, and the step program's first run on a device after each
+compile of it there (a warm-up, which can take long too) do not set the scale: a
+stretch with only those, or nothing, many times longer than what the devices did
+otherwise is drawn as a narrow break labelled with its length; the one before the
+steps that holds their program's first compile is marked "first step + compile".
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 import html
+import itertools
 import json
+import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -30,6 +42,15 @@ COLORS = {
     "op": "#e45756",
 }
 COLUMNS = ["kind", "name", "device", "island", "start", "end", "duration_ms", "bytes", "failed", "tenant"]
+# Kinds drawn without setting the axis's scale: where only they happen, for long enough, the axis breaks.
+UNSCALED_KINDS = frozenset({"compile", "wait"})
+# A stretch without scaled work breaks the axis if it is this many times the typical burst of work or the
+# typical time from one step to the next (and at least BREAK_MIN_S): compiles (100 ms to seconds) break,
+# the gaps between a loop's steps do not.
+BREAK_FACTOR = 5.0
+BREAK_MIN_S = 1e-3
+BREAK_WIDTH_PX = 28
+FIRST_STEP_WIDTH_PX = 48
 
 
 @dataclass(frozen=True)
@@ -74,14 +95,33 @@ class Timeline:
         """Start times (seconds since the epoch) of the step program's executions."""
         first_device: int | None = None
         starts = []
-        # The proxy's executions; a profile's device spans alone (``client.device_trace``) have program runs.
-        kind = "execute" if any(e.kind == "execute" for e in self.events) else "program"
+        kind = self._step_kind()
         for e in self.events:
             if e.kind == kind and e.name == self.step_program:
                 first_device = first_device if first_device is not None else (e.device_ids or [-1])[0]
                 if (e.device_ids or [-1])[0] == first_device:
                     starts.append(e.start)
         return starts
+
+    def _step_kind(self) -> str:
+        """The proxy's executions; a profile's device spans alone (``client.device_trace``) have program runs."""
+        return "execute" if any(e.kind == "execute" for e in self.events) else "program"
+
+    def _warmups(self) -> set[int]:
+        """The step program's first execution on a device after each compile of it there (as ``id()``s of the
+        events): like the compile, it is not what a step costs."""
+        program, kind = self.step_program, self._step_kind()
+        compiled: set[int] = set()  # devices whose latest compile of the program has not run yet
+        warm = set()
+        for e in self.events:
+            if e.name != program:
+                continue
+            if e.kind == "compile":
+                compiled.update(e.device_ids)
+            elif e.kind == kind and compiled.intersection(e.device_ids):
+                warm.add(id(e))
+                compiled.difference_update(e.device_ids)
+        return warm
 
     def last(self, steps: int) -> Timeline:
         """Only what happened during the last ``steps`` steps."""
@@ -129,24 +169,34 @@ class Timeline:
             json.dump(self.chrome_trace(), f)
         return path
 
-    def svg(self, width: int = 900, row_height: int = 22) -> str:
-        """The timeline as SVG: one row per device, a bar per event, dashed lines at step starts."""
+    def svg(self, width: int = 900, row_height: int = 22, breaks: bool = True) -> str:
+        """The timeline as SVG: one row per device, a bar per event, dashed lines at step starts.
+
+        With ``breaks`` (the default), long stretches of only compiles, waits or idle time are drawn as
+        narrow breaks (see the module's docstring); ``breaks=False`` draws time to one scale.
+        """
         label_width, top = 150, 24
         plot_width = max(100, width - label_width - 10)
         rows = {d.id: i for i, d in enumerate(self.devices)}
-        height = top + row_height * max(1, len(self.devices)) + 24
-        spans = [(e.start, e.end) for e in self.events if e.device_ids]
-        begin = min((s for s, _ in spans), default=0.0)
-        finish = max((e for _, e in spans), default=begin + 1e-3)
-        scale = plot_width / max(finish - begin, 1e-6)
-
-        def x(t: float) -> float:
-            return label_width + (t - begin) * scale
+        rows_bottom = top + row_height * max(1, len(self.devices))
+        height = rows_bottom + 38
+        drawn = [e for e in self.events if e.device_ids]
+        steps = self.steps()
+        warm = self._warmups()
+        scaled = [e for e in drawn if e.kind not in UNSCALED_KINDS and id(e) not in warm]
+        axis = _Axis.of(drawn, scaled, label_width, plot_width, steps, breaks)
+        x = axis.x
+        # The break before everything that sets the scale, if it holds the step program's first compile.
+        lead = axis.breaks[0] if axis.breaks and axis.breaks[0][0] == axis.begin else None
+        first_step = lead is not None and any(
+            e.kind == "compile" and e.name == self.step_program and e.start < lead[1] for e in drawn
+        )
 
         parts = [
             f'<svg class="pw-timeline" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
             'font-family="sans-serif" font-size="11">'
         ]
+        parts += _breaks_drawn(axis, drawn, top, rows_bottom, width, first_step)
         for device in self.devices:
             y = top + rows[device.id] * row_height
             parts.append(
@@ -154,12 +204,12 @@ class Timeline:
                 f'<line x1="{label_width}" y1="{y + row_height:.1f}" x2="{width - 10}" y2="{y + row_height:.1f}" '
                 'stroke="#eee"/>'
             )
-        for start in self.steps():
+        for start in steps:
             parts.append(
-                f'<line class="pw-step" x1="{x(start):.1f}" y1="{top - 4}" x2="{x(start):.1f}" y2="{height - 20}" '
+                f'<line class="pw-step" x1="{x(start):.1f}" y1="{top - 4}" x2="{x(start):.1f}" y2="{rows_bottom + 4}" '
                 'stroke="#888" stroke-dasharray="3,3"/>'
             )
-        for e in self.events:
+        for e in drawn:
             for device in e.device_ids:
                 if device not in rows:
                     continue
@@ -168,8 +218,8 @@ class Timeline:
                 if e.kind == "op":  # an op in the lower half of its program's bar, so both show
                     bar_height //= 2
                     y += row_height - 6 - bar_height
-                w = max(1.0, (e.end - e.start) * scale)
-                title = f"{e.kind}: {e.name} ({(e.end - e.start) * 1e3:.2f} ms)" + (" FAILED" if e.failed else "")
+                w = max(1.0, x(e.end) - x(e.start))
+                title = f"{e.kind}: {e.name} ({_duration(e.end - e.start)})" + (" FAILED" if e.failed else "")
                 outline = ' stroke="red"' if e.failed else ""
                 parts.append(
                     f'<rect class="pw-bar pw-{e.kind}" data-device="{device}" x="{x(e.start):.1f}" y="{y}" '
@@ -183,9 +233,11 @@ class Timeline:
                 f'<text x="{legend_x + 14}" y="15">{kind}</text>'
             )
             legend_x += 80
+        broken = sum(end - start for start, end in axis.breaks)
+        narrow = f" ({_duration(broken)} of it drawn narrow, in grey)" if axis.breaks else ""
         parts.append(
-            f'<text x="{label_width}" y="{height - 6}">{(finish - begin) * 1e3:.1f} ms, '
-            f"{len(self.steps())} step(s) of {html.escape(self.step_program or '-')}</text></svg>"
+            f'<text x="{label_width}" y="{height - 6}">{_duration(axis.span)}{narrow}, '
+            f"{len(steps)} step(s) of {html.escape(self.step_program or '-')}</text></svg>"
         )
         return "".join(parts)
 
@@ -222,3 +274,101 @@ class Timeline:
             f"<Timeline {len(self.events)} events on {len(self.devices)} devices, "
             f"{len(self.steps())} steps of {self.step_program}>"
         )
+
+
+def _breaks_drawn(
+    axis: _Axis, drawn: Sequence[pb.Event], top: float, bottom: float, width: float, first_step: bool
+) -> list[str]:
+    """The axis's breaks: grey bands with a cut mark, each labelled with its length where there is room; the
+    first, with ``first_step``, marked as the first step's (and its compile's)."""
+    parts = []
+    labels_end = 0.0  # where the last label drawn ends: the next one must not overlap it
+    for index, (start, end) in enumerate(axis.breaks):
+        left, right = axis.x(start), axis.x(end)
+        first_step = first_step and index == 0
+        during = sorted({e.kind for e in drawn if e.start < end and e.end > start}) or ["idle"]
+        what = "until the step program's first step was done, with its compile" if first_step else "drawn narrow"
+        title = f"{_duration(end - start)} {what}: {', '.join(during)}"
+        parts.append(
+            f'<rect class="pw-break{" pw-first-step" if first_step else ""}" x="{left:.1f}" y="{top - 4}" '
+            f'width="{right - left:.1f}" height="{bottom - top + 8}" fill="#f2f2f2">'
+            f"<title>{html.escape(title)}</title></rect>"
+            f'<path d="M{left:.1f},{bottom + 4} l4,-8 M{right - 4:.1f},{bottom + 4} l4,-8" stroke="#999"/>'
+        )
+        label = f"first step + compile: {_duration(end - start)}" if first_step else _duration(end - start)
+        label_width = 5 * len(label)  # about, at 9 px
+        at = left if first_step else max((left + right - label_width) / 2, labels_end + 6)
+        if not first_step and (at + label_width > min(right + 30, width)):
+            continue  # no room for it (crowded, narrow breaks): its band's title says
+        labels_end = at + label_width
+        parts.append(
+            f'<text class="pw-break-length" x="{at:.1f}" y="{bottom + 16}" font-size="9" fill="#666">{label}</text>'
+        )
+    return parts
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds >= 1 else f"{seconds * 1e3:.1f} ms"
+
+
+@dataclass(frozen=True)
+class _Axis:
+    """Time to x: one scale, but for the breaks, each drawn a few pixels wide."""
+
+    pieces: tuple[tuple[float, float, float, float], ...]  # (start, end, x at start, x at end), in order
+    breaks: tuple[tuple[float, float], ...]
+    begin: float
+    span: float  # seconds from the first event's start to the last one's end
+
+    @classmethod
+    def of(
+        cls,
+        events: Sequence[pb.Event],
+        scaled: Sequence[pb.Event],
+        left: float,
+        width: float,
+        steps: Sequence[float] = (),
+        breaks: bool = True,
+    ) -> _Axis:
+        """The axis for ``events`` drawn ``width`` pixels wide from ``left``: with ``breaks``, the long stretches
+        that none of ``scaled`` covers are breaks (the first, before the steps, a little wider)."""
+        begin = min((e.start for e in events), default=0.0)
+        finish = max((e.end for e in events), default=begin + 1e-3)
+        bursts = _bursts(scaled) if breaks else []
+        broken: list[tuple[float, float]] = []
+        if bursts:
+            # Typical: a burst of work, or the time between two steps (after the first, which holds the compile).
+            periods = [b - a for a, b in itertools.pairwise(steps[1:])]
+            typical = max(statistics.median(end - start for start, end in bursts), statistics.median(periods or [0]))
+            threshold = max(BREAK_FACTOR * typical, BREAK_MIN_S)
+            edges = [begin, *(t for burst in bursts for t in burst), finish]
+            gaps = zip(edges[::2], edges[1::2], strict=True)
+            broken = [(start, end) for start, end in gaps if end - start > threshold]
+        widths = [FIRST_STEP_WIDTH_PX if start == begin else BREAK_WIDTH_PX for start, _end in broken]
+        shrink = min(1.0, 0.4 * width / sum(widths)) if widths else 1.0  # breaks take at most 40% of the width
+        scale = (width - shrink * sum(widths)) / max(finish - begin - sum(b - a for a, b in broken), 1e-6)
+        pieces, t, x = [], begin, left
+        for (start, end), break_px in [*zip(broken, widths, strict=True), ((finish, finish), 0.0)]:
+            pieces.append((t, start, x, x + (start - t) * scale))
+            x += (start - t) * scale
+            if end > start:
+                pieces.append((start, end, x, x + break_px * shrink))
+                x += break_px * shrink
+            t = end
+        return cls(tuple(pieces), tuple(broken), begin, finish - begin)
+
+    def x(self, t: float) -> float:
+        index = max(0, bisect.bisect_right(self.pieces, t, key=lambda piece: piece[0]) - 1)
+        start, end, x0, x1 = self.pieces[index]
+        return x0 + (x1 - x0) * min(max((t - start) / (end - start), 0.0), 1.0) if end > start else x0
+
+
+def _bursts(scaled: Sequence[pb.Event]) -> list[list[float]]:
+    """What the devices did as [start, end] stretches, overlapping events merged, in order."""
+    bursts: list[list[float]] = []
+    for e in sorted(scaled, key=lambda e: e.start):
+        if bursts and e.start <= bursts[-1][1]:
+            bursts[-1][1] = max(bursts[-1][1], e.end)
+        else:
+            bursts.append([e.start, e.end])
+    return bursts

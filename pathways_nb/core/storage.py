@@ -29,9 +29,14 @@ _BUCKET = re.compile(r"[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]")
 _MAX_LOCATION_CHARS = 4096
 
 
+def user_directory() -> Path:
+    """This user's pathways-nb directory in the temp dir (the default storage root, running clusters' records)."""
+    return Path(tempfile.gettempdir()) / f"pathways-nb-{getpass.getuser()}"
+
+
 def default_root() -> Path:
     """Where a server started on its own (no ``--storage_root``) writes: a directory of this user's in the temp dir."""
-    return Path(tempfile.gettempdir()) / f"pathways-nb-{getpass.getuser()}" / "storage"
+    return user_directory() / "storage"
 
 
 def check_location(location: str) -> str:

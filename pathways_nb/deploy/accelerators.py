@@ -40,13 +40,13 @@ class Accelerator:
         """Raises ``ValueError`` saying how islands of this shape cannot be made of these hosts."""
         if self.chips_per_host is not None and devices_per_host != self.chips_per_host:
             raise ValueError(
-                f"--devices-per-host {devices_per_host} does not match --accelerator {self.name}, whose hosts "
-                f"have {self.chips_per_host} chips: use --devices-per-host {self.chips_per_host}"
+                f"--devices_per_host {devices_per_host} does not match --accelerator {self.name}, whose hosts "
+                f"have {self.chips_per_host} chips: use --devices_per_host {self.chips_per_host}"
             )
         if self.topologies and hosts_per_island not in self.topologies:
             shapes = ", ".join(f"{hosts} ({topology})" for hosts, topology in self.topologies.items())
             raise ValueError(
-                f"--hosts-per-island {hosts_per_island}: {self.name} slices come with {shapes} hosts; "
+                f"--hosts_per_island {hosts_per_island}: {self.name} slices come with {shapes} hosts; "
                 "choose one of those host counts"
             )
 

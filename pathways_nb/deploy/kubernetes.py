@@ -91,7 +91,7 @@ class Deployment:
             )
         if min(self.islands, self.hosts_per_island, self.devices_per_host) < 1:
             raise ValueError(
-                f"--islands {self.islands} --hosts-per-island {self.hosts_per_island} --devices-per-host "
+                f"--islands {self.islands} --hosts_per_island {self.hosts_per_island} --devices_per_host "
                 f"{self.devices_per_host}: each must be at least 1"
             )
         self.accelerator.check(self.hosts_per_island, self.devices_per_host)
@@ -148,8 +148,8 @@ class Deployment:
         """The ``pathways-nb deploy k8s`` flags that make this deployment (for the manifest's header)."""
         flags = [
             f"--islands {self.islands}",
-            f"--hosts-per-island {self.hosts_per_island}",
-            f"--devices-per-host {self.devices_per_host}",
+            f"--hosts_per_island {self.hosts_per_island}",
+            f"--devices_per_host {self.devices_per_host}",
             f"--accelerator {self.accelerator.name}",
             f"--image {self.image}",
             f"--name {self.name}",

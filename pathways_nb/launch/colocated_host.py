@@ -77,8 +77,8 @@ def choose_policy(python: str | None = None, uid_base: int = DEFAULT_UID_BASE) -
     if problem:
         _LOGGER.warning(
             "colocated Python executors run as root: a user of their own cannot run %s (%s). Install Python "
-            "where every user can read it (e.g. /usr/local), or pass --executor_python; until then tenants' "
-            "code is not kept apart",
+            "where every user can read it (e.g. /usr/local), or name one with --colocated_python_executable "
+            "(of pathways-nb up or colocated-host); until then tenants' code is not kept apart",
             python,
             problem,
         )

@@ -7,6 +7,9 @@ watches its parent), so no process is left behind. While it runs, a process
 that dies is noticed at once, reported with its cause and started again
 (``pathways_nb.launch.supervisor``): a crashed worker costs its island a few seconds,
 and the island serves again by itself.
+
+Each process logs to a file of its own in the cluster's directory (``log_paths``; ``pathways-nb logs``
+reads them from another terminal): kept after ``close()`` when the run failed, removed otherwise.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import grpc
 from pathways_nb.core import tuning
 from pathways_nb.core.keepalive import Liveness
 from pathways_nb.core.security import ClusterCredentials, generate_token
+from pathways_nb.launch import cluster_logs
 from pathways_nb.launch.processes import ChildServer, Status
 from pathways_nb.launch.supervisor import ChildExit, Supervisor
 from pathways_nb.rpc import cluster_pb2 as pb
@@ -76,12 +80,16 @@ class LocalCluster:
         colocated_python_executable: str | None = None,
         storage_root: str | os.PathLike[str] | None = None,
         worker_timeout_s: float = tuning.ONE_MACHINE_WORKER_TIMEOUT_S.value,
+        log_level: str | None = None,
+        keep_logs: bool | None = None,
     ):
         """``storage_root``: where the workers and the proxy write profiles and checkpoints
         (``pathways_nb.core.storage``); default ``storage/`` in the cluster's own directory, which is
         kept after ``close()`` if anything was written there. ``worker_timeout_s``: within how long a
         worker that stopped answering (``SIGSTOP``) is found dead; a stall of less than five sixths of it
-        is never a death."""
+        is never a death. ``log_level``: its processes' (their ``--log_level``; default WARNING).
+        ``keep_logs``: whether ``close()`` leaves their logs (``logs/`` in the cluster's directory);
+        default: only those of a failed run (see ``failures``)."""
         self.spec = ClusterSpec(islands, hosts_per_island, devices_per_host, platform)
         Liveness.within(worker_timeout_s)  # one the resource manager would refuse fails here, before any process
         self.worker_timeout_s = worker_timeout_s
@@ -95,6 +103,14 @@ class LocalCluster:
         # The cluster's own directory (its storage root by default).
         self.directory = tempfile.mkdtemp(prefix="pathways-nb-cluster-")
         self.storage_root = os.path.abspath(storage_root or os.path.join(self.directory, "storage"))
+        self.log_directory = os.path.join(self.directory, "logs")
+        os.mkdir(self.log_directory)
+        self.log_level = log_level
+        self.keep_logs = keep_logs
+        # Why close() left the cluster's directory ("" until then, or if it removed it).
+        self.kept_because = ""
+        self._record: cluster_logs.ClusterRecord | None = None
+        self._logged_before_stop: dict[str, int] = {}
         # The cluster token its internal endpoints require (None: a fresh random one); children get it
         # in their environment, never on their command line.
         self.token = token or generate_token()
@@ -124,7 +140,7 @@ class LocalCluster:
         _LIVE.add(self)
         spec = self.spec
         try:
-            self.resource_manager = ChildServer(
+            self.resource_manager = self._child(
                 "resource-manager",
                 [
                     "resource-manager",
@@ -137,7 +153,6 @@ class LocalCluster:
                     "--worker_timeout",
                     f"{self.worker_timeout_s:g}",
                 ],
-                env=self._child_env,
             )
             self.resource_manager.start(timeout_s)
             if self.colocated_python:
@@ -149,7 +164,7 @@ class LocalCluster:
                 worker.launch()
             for worker in self.workers.values():
                 worker.wait_started(timeout_s)
-            self.proxy = ChildServer(
+            self.proxy = self._child(
                 "proxy",
                 [
                     "proxy",
@@ -160,11 +175,14 @@ class LocalCluster:
                     "--storage_root",
                     self.storage_root,
                 ],
-                env=self._child_env,
             )
             self.proxy.start(timeout_s)
             self._wait_for_workers(timeout_s)
             self._supervise()
+            self._record = cluster_logs.ClusterRecord(
+                self.address, self.proxy.port, os.getpid(), self.directory, self.log_paths
+            )
+            cluster_logs.record(self._record)
         except BaseException:
             self.status = Status.failed
             self.close()
@@ -175,7 +193,7 @@ class LocalCluster:
 
     def _worker(self, island: int, host: int) -> ChildServer:
         assert self.resource_manager is not None
-        return ChildServer(
+        return self._child(
             f"worker-{island}-{host}",
             [
                 "worker",
@@ -196,19 +214,28 @@ class LocalCluster:
                 *self._island_flags(island),
                 *self._colocated_flags(island, host),
             ],
-            env=self._child_env,
+        )
+
+    def _child(self, name: str, arguments: list[str]) -> ChildServer:
+        """One of the cluster's processes: its token in its environment, its log in ``logs/``, at the log level."""
+        level = ["--log_level", self.log_level] if self.log_level else []
+        return ChildServer(
+            name, [*arguments, *level], env=self._child_env, log_path=os.path.join(self.log_directory, f"{name}.log")
         )
 
     def _start_colocated_hosts(self, timeout_s: float) -> None:
         """One ``colocated-host`` per host, on a unix socket in a directory of this user only."""
         self._colocated_sockets = tempfile.TemporaryDirectory(prefix="pathways-nb-colocated-")
-        executable = ["--executor_python", self.colocated_python_executable] if self.colocated_python_executable else []
+        executable = (
+            ["--colocated_python_executable", self.colocated_python_executable]
+            if self.colocated_python_executable
+            else []
+        )
         for island in range(self.spec.islands):
             for host in range(self.spec.hosts_per_island):
-                self.colocated_hosts[(island, host)] = ChildServer(
+                self.colocated_hosts[(island, host)] = self._child(
                     f"colocated-host-{island}-{host}",
                     ["colocated-host", "--socket", self._colocated_socket(island, host), *executable],
-                    env=self._child_env,
                 )
         for colocated in self.colocated_hosts.values():
             colocated.launch()
@@ -247,7 +274,10 @@ class LocalCluster:
         """Stops the proxy, the workers and the resource manager; idempotent."""
         if self.status is Status.closed:
             return
+        failed_to_start = self.status is Status.failed
         self.status = Status.closing
+        # What the processes log while they stop (streams they abort, say) is not what went wrong in the run.
+        self._logged_before_stop = {child.name: child.log_size() for child in self.processes()}
         if self.supervisor is not None:
             self.supervisor.close()
         # All asked to stop at once: a host of an island waits at exit for the island's other hosts.
@@ -259,17 +289,46 @@ class LocalCluster:
                 child.close()
         if self._colocated_sockets is not None:
             self._colocated_sockets.cleanup()
-        self._remove_directory_if_unused()
+        if self._record is not None:
+            cluster_logs.forget(self._record)
         self.status = Status.closed
+        self._remove_directory_unless_kept(failed_to_start)
         _LIVE.discard(self)
 
-    def _remove_directory_if_unused(self) -> None:
-        """Removes the cluster's directory unless something was written to its storage root (kept for the user)."""
+    def _remove_directory_unless_kept(self, failed_to_start: bool) -> None:
+        """Removes the cluster's directory, unless its storage root holds what the cluster wrote or its logs
+        are kept (``keep_logs``; by default those of a failed run); ``kept_because`` says why it stays."""
+        reasons = []
         storage = os.path.join(self.directory, "storage")
         if os.path.isdir(storage) and any(files for _dir, _subdirs, files in os.walk(storage)):
-            _LOGGER.info("the cluster's storage root %s is kept (it holds what the cluster wrote)", storage)
+            reasons.append("storage/ holds what the cluster wrote")
+        failures = (["it failed to start"] if failed_to_start else []) + self.failures()
+        if self.keep_logs is None and failures:
+            reasons.append(f"logs/ tells what went wrong ({'; '.join(failures)})")
+        elif self.keep_logs:
+            reasons.append("logs/ was asked for")
+        else:
+            shutil.rmtree(self.log_directory, ignore_errors=True)
+        if not reasons:
+            shutil.rmtree(self.directory, ignore_errors=True)
             return
-        shutil.rmtree(self.directory, ignore_errors=True)
+        self.kept_because = "; ".join(reasons)
+        level = logging.WARNING if failures and self.keep_logs is None else logging.INFO
+        _LOGGER.log(level, "the cluster's directory %s is kept: %s", self.directory, self.kept_because)
+
+    def failures(self) -> list[str]:
+        """What went wrong in this run, as its processes' logs and exits tell: which process ended unexpectedly,
+        which logged an error before the cluster began to stop (the first of each)."""
+        ended = [f"{ended.name} {ended.description}" for ended in self.exits]
+        errors = [
+            (child.name, child.first_error(self._logged_before_stop.get(child.name))) for child in self.processes()
+        ]
+        return list(dict.fromkeys(ended)) + [f"{name} logged {error!r}" for name, error in errors if error]
+
+    @property
+    def log_paths(self) -> dict[str, str]:
+        """Each process's log file, by name ("resource-manager", "worker-0-0", "proxy", ...)."""
+        return {child.name: child.log_path for child in self.processes()}
 
     def __enter__(self) -> LocalCluster:
         return self.start()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -81,6 +82,14 @@ class StopRequest:
         return f"on {signal.Signals(signum).name}" if signum else "because its launcher exited"
 
 
+# How every pathways-nb command logs (``cli.main``), and what in such a log reports an error: a record
+# at ERROR or above, or a traceback that nothing logged (a thread's, or the process's own end).
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+_ERROR_RECORD = re.compile(r"\d{4}-\d\d-\d\d [\d:,]+ \S+ (ERROR|CRITICAL) ")
+_TRACEBACK = "Traceback (most recent call last):"
+_TRACEBACK_BETWEEN = (_TRACEBACK, "During handling of the above exception", "The above exception was the direct cause")
+
+
 class Status(enum.Enum):
     created = "created"
     starting = "starting"
@@ -105,10 +114,12 @@ class ChildServer:
         host: str = "127.0.0.1",
         prefix: Sequence[str] = (),
         cwd: str | None = None,
+        log_path: str | None = None,
     ):
         """``host``: where it listens (its ``address``); ``prefix``: runs it through a launcher, e.g.
         ``["ip", "netns", "exec", NAME]`` (one that execs, so the child's pid is the server's); ``cwd``: its
-        working directory."""
+        working directory; ``log_path``: the file its output goes to, which outlives it (default: a file of
+        its own, removed by ``close()``)."""
         self.name = name
         self.arguments = list(arguments)
         self.env = env
@@ -119,7 +130,7 @@ class ChildServer:
         self.port: int | None = None
         self.process: subprocess.Popen | None = None
         self._directory = tempfile.TemporaryDirectory(prefix=f"pathways-{name}-")
-        self.log_path = os.path.join(self._directory.name, "log")
+        self.log_path = log_path or os.path.join(self._directory.name, "log")
 
     @property
     def address(self) -> str:
@@ -198,6 +209,29 @@ class ChildServer:
                 return f.read()
         except OSError:
             return ""
+
+    def first_error(self, within_bytes: int | None = None) -> str | None:
+        """The first error the child logged (in the first ``within_bytes`` of its log), if any: an ERROR or
+        CRITICAL record, or the exception that a traceback nothing logged ends with."""
+        try:
+            with open(self.log_path, "rb") as f:
+                text = f.read(-1 if within_bytes is None else within_bytes).decode(errors="replace")
+        except OSError:
+            return None
+        in_traceback = False
+        for line in text.splitlines():
+            if in_traceback and not line[:1].isspace() and not line.startswith(_TRACEBACK_BETWEEN):
+                return line.strip()
+            if _ERROR_RECORD.match(line):
+                return line.strip()
+            in_traceback = in_traceback or line.startswith(_TRACEBACK)
+        return None
+
+    def log_size(self) -> int:
+        try:
+            return os.path.getsize(self.log_path)
+        except OSError:
+            return 0
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None

@@ -1,21 +1,21 @@
 """The ``%pathways`` magic: connect, look at the cluster, time the steps, profile the devices.
 
-    %pathways connect ADDRESS [--exclusive] [--devices N] [--only-islands 0,1] [--tenant T] [--weight W]
+    %pathways connect ADDRESS [--exclusive] [--devices N] [--only_islands 0,1] [--tenant T] [--weight W]
                               [--timeout S] [--token T]
-    %pathways connect local [--islands I] [--hosts-per-island H] [--devices-per-host D]
+    %pathways connect local [--islands I] [--hosts_per_island H] [--devices_per_host D]
     %pathways disconnect | status | devices | islands | allocations | help
     %pathways timeline [--live] [--last N]
     %pathways trace FILE [--last N]
-    %%pathways profile LOGDIR [--hosts N] [--no-servers] [--python]   (a cell magic: profiles the cell)
+    %%pathways profile LOGDIR [--hosts N] [--no_servers] [--python]   (a cell magic: profiles the cell)
 
 Each subcommand calls the public Python API (``pathways_nb.connect``,
 ``Session.islands()``, ``Session.timeline()``, ...); misuse and failures
-raise ``UsageError`` with one line that says what to do.
+raise ``UsageError`` with one line that says what to do. Flags are spelled as the
+``pathways-nb`` command's (``--hosts_per_island``), and read with hyphens too.
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import shlex
 
@@ -24,13 +24,14 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.display import display
 
 import pathways_nb
+from pathways_nb.core.command_line import ArgumentParser
 from pathways_nb.errors import PathwaysError
 from pathways_nb.notebook.progress import ActivityMonitor
 
 NOT_CONNECTED = "not connected: run %pathways connect ADDRESS (or %pathways connect local)"
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(ArgumentParser):
     """argparse that reports misuse as a one-line UsageError instead of exiting."""
 
     def error(self, message: str):
@@ -60,7 +61,7 @@ def _parser() -> _Parser:
     connect.add_argument("address", help="grpc://host:port, host:port, or local")
     connect.add_argument("--exclusive", action="store_true", help="nobody else may use your devices")
     connect.add_argument("--devices", type=int, default=0, help="how many devices (default: all)")
-    connect.add_argument("--only-islands", default="", help="which islands, e.g. 0,1 (default: any)")
+    connect.add_argument("--only_islands", default="", help="which islands, e.g. 0,1 (default: any)")
     connect.add_argument("--tenant", default=None, help="your name in the allocation table")
     connect.add_argument(
         "--weight", type=float, default=1.0, help="your share of busy devices against other tenants' (default 1)"
@@ -68,8 +69,8 @@ def _parser() -> _Parser:
     connect.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the server and devices")
     connect.add_argument("--token", default=None, help="the cluster token (default: $PATHWAYS_CLUSTER_TOKEN)")
     connect.add_argument("--islands", type=int, default=2, help="local: number of islands")
-    connect.add_argument("--hosts-per-island", type=int, default=1, help="local: hosts per island")
-    connect.add_argument("--devices-per-host", type=int, default=4, help="local: devices per host")
+    connect.add_argument("--hosts_per_island", type=int, default=1, help="local: hosts per island")
+    connect.add_argument("--devices_per_host", type=int, default=4, help="local: devices per host")
     for name, text in [
         ("disconnect", "back to this machine's devices"),
         ("status", "the session and the cluster's health"),
@@ -88,7 +89,7 @@ def _parser() -> _Parser:
     profile = commands.add_parser("profile", add_help=False, help="(cell magic) profile the cell on the devices")
     profile.add_argument("logdir", help="the run directory (xprof --logdir / TensorBoard reads it)")
     profile.add_argument("--hosts", type=int, default=0, help="trace at most N hosts (default: all)")
-    profile.add_argument("--no-servers", action="store_true", help="leave the proxy and resource manager out")
+    profile.add_argument("--no_servers", action="store_true", help="leave the proxy and resource manager out")
     profile.add_argument("--python", action="store_true", help="record Python calls too")
     return parser
 

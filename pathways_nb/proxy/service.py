@@ -165,6 +165,8 @@ class IfrtProxyService:
             raise
         except grpc.aio.AioRpcError:
             pass  # the client went away
+        except grpc.aio.AbortError:
+            pass  # this server ended the stream (the client's disconnect, its own stop): not a failure
         except Exception:
             _LOGGER.exception("session %d failed", session.session_id)
         outbox.close()
