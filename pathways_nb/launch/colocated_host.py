@@ -4,8 +4,9 @@
 and ``pathways-nb up --colocated_python`` start one per host; on Kubernetes it is a sidecar
 container of the worker's pod, sharing its ``/dev/shm``). The worker holds one
 ``ColocatedHost.Executor`` call per session that runs colocated Python: the host starts an
-executor (``python -m pathways_nb.executor``) for it, says where it listens, reports it if it
-dies, and stops it when the call ends: the session ended, or its worker died.
+executor (``python -m pathways_nb.executor``) for it, says where it listens, sends what it writes
+(bounded: ``launch.executor_output``), reports it if it dies, and stops it when the call ends: the
+session ended, or its worker died.
 
 Each executor runs a tenant's code, so it gets as little as the host can give it:
 
@@ -41,6 +42,7 @@ import psutil
 from pathways_nb.core import shared_memory
 from pathways_nb.core.aio_server import BackgroundServer
 from pathways_nb.core.security import ClusterCredentials
+from pathways_nb.launch.executor_output import ExecutorOutput
 from pathways_nb.launch.processes import exit_description
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
@@ -55,7 +57,6 @@ STOP_GRACE_S = 5.0
 # Executors' users: uids (and gids) from here on, one per executor while it runs.
 DEFAULT_UID_BASE = 1_500_000_000
 UID_RANGE = 1 << 24
-LOG_TAIL_LINES = 20
 
 
 @dataclass(frozen=True)
@@ -169,19 +170,12 @@ class UserPool:
 
 @dataclass(eq=False)
 class _Executor:
-    """One running executor and what goes when it ends."""
+    """One running executor, what it writes, and what goes when it ends."""
 
     process: asyncio.subprocess.Process
     uid: int
     directory: Path
-    log_path: Path
-
-    def log_tail(self) -> str:
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        return "\n".join(lines[-LOG_TAIL_LINES:])
+    output: ExecutorOutput
 
 
 class ColocatedHostService(cluster_pb2_grpc.ColocatedHostServicer):
@@ -190,8 +184,6 @@ class ColocatedHostService(cluster_pb2_grpc.ColocatedHostServicer):
     def __init__(self, policy: ExecutorPolicy, root: Path):
         self.policy = policy
         self.root = root
-        # Executors' output, on disk (not the shared memory their shards use), for the tail of a crash.
-        self._logs = Path(tempfile.mkdtemp(prefix="pathways-nb-executor-logs-"))
         private = shared_memory.private_root()
         if policy.separate_users and private is None:
             raise RuntimeError("no private directory to hold the executors' users in (see PATHWAYS_SHM_ROOT)")
@@ -206,6 +198,7 @@ class ColocatedHostService(cluster_pb2_grpc.ColocatedHostServicer):
         except (OSError, RuntimeError) as error:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
         self._running.add(executor)
+        exited = asyncio.ensure_future(executor.process.wait())
         try:
             yield pb.ExecutorEvent(
                 started=pb.ExecutorStarted(
@@ -215,11 +208,13 @@ class ColocatedHostService(cluster_pb2_grpc.ColocatedHostServicer):
                     uid=executor.uid,
                 )
             )
-            returncode = await executor.process.wait()
-            ended = pb.ExecutorExit(description=exit_description(returncode), log_tail=executor.log_tail())
+            async for batch in executor.output.batches(exited):
+                yield pb.ExecutorEvent(output=batch)
+            ended = pb.ExecutorExit(description=exit_description(exited.result()), log_tail=executor.output.tail())
             _LOGGER.warning("the executor of session %s %s:\n%s", request.session, ended.description, ended.log_tail)
             yield pb.ExecutorEvent(exited=ended)
         finally:
+            exited.cancel()
             self._running.discard(executor)
             await self._stop(executor)
 
@@ -228,50 +223,56 @@ class ColocatedHostService(cluster_pb2_grpc.ColocatedHostServicer):
         uid = self._users.take() if self.policy.separate_users else os.getuid()
         directory = self.root / name
         directory.mkdir(mode=0o700)
-        log_path = self._logs / f"{name}.log"
-        read, write = os.pipe()
+        ready_read, ready_write = os.pipe()
+        records_read, records_write = os.pipe()
         try:
             if uid != os.getuid():
                 os.chown(directory, uid, uid)
-            with open(log_path, "wb") as log:
-                process = await asyncio.create_subprocess_exec(
-                    self.policy.python,
-                    "-m",
-                    "pathways_nb.executor",
-                    "--socket",
-                    str(directory / "executor.sock"),
-                    "--directory",
-                    str(directory),
-                    "--devices",
-                    ",".join(str(i) for i in request.device_ids),
-                    "--parent",
-                    str(os.getpid()),
-                    "--ready_fd",
-                    str(write),
-                    *(["--user", str(uid)] if uid != os.getuid() else []),
-                    # Started as this user: it changes users itself (see pathways_nb.executor.__main__).
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env=_executor_env(directory),
-                    cwd=directory,
-                    pass_fds=(write,),
-                    start_new_session=True,
-                    # Files it writes elsewhere (a checkpoint) are readable by a later session's executor, as
-                    # files usually are; its own directory stays closed (0700).
-                    umask=0o022,
-                )
+            process = await asyncio.create_subprocess_exec(
+                self.policy.python,
+                "-m",
+                "pathways_nb.executor",
+                "--socket",
+                str(directory / "executor.sock"),
+                "--directory",
+                str(directory),
+                "--devices",
+                ",".join(str(i) for i in request.device_ids),
+                "--parent",
+                str(os.getpid()),
+                "--ready_fd",
+                str(ready_write),
+                "--output_fd",
+                str(records_write),
+                *(["--user", str(uid)] if uid != os.getuid() else []),
+                # Started as this user: it changes users itself (see pathways_nb.executor.__main__).
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=_executor_env(directory),
+                cwd=directory,
+                pass_fds=(ready_write, records_write),
+                start_new_session=True,
+                # Files it writes elsewhere (a checkpoint) are readable by a later session's executor, as
+                # files usually are; its own directory stays closed (0700).
+                umask=0o022,
+            )
         except BaseException:
-            os.close(read)
-            os.close(write)
+            for descriptor in (ready_read, ready_write, records_read, records_write):
+                os.close(descriptor)
             self._clean_up(uid, directory)
             raise
-        os.close(write)
-        executor = _Executor(process, uid, directory, log_path)
-        if not await _ready(read):
+        os.close(ready_write)
+        os.close(records_write)
+        output = ExecutorOutput()
+        await output.read(process.stdout, process.stderr, records_read)
+        executor = _Executor(process, uid, directory, output)
+        if not await _ready(ready_read):
             await self._stop(executor)
-            how = exit_description(executor.process.returncode)
-            raise RuntimeError(f"the executor did not start ({how}); its output:\n{executor.log_tail()}")
+            raise RuntimeError(
+                f"the executor ({self.policy.python}) did not start ({exit_description(process.returncode)}); "
+                f"its output:\n{output.tail() or '(none)'}"
+            )
         _LOGGER.info("executor for session %s (tenant %s) started as uid %d", request.session, request.tenant, uid)
         return executor
 
@@ -279,15 +280,15 @@ class ColocatedHostService(cluster_pb2_grpc.ColocatedHostServicer):
         """Ends the executor (SIGTERM, then SIGKILL) and everything it left: processes, files, its user."""
         process = executor.process
         if process.returncode is None:
-            process.terminate()
+            _signal(process, signal.SIGTERM)
             try:
                 await asyncio.wait_for(process.wait(), STOP_GRACE_S)
             except asyncio.TimeoutError:
-                process.kill()
+                _signal(process, signal.SIGKILL)
                 await process.wait()
         _kill_leftovers(process.pid, executor.uid if self.policy.separate_users else None)
+        await executor.output.drained()  # what it wrote last is in the tail now
         self._clean_up(executor.uid, executor.directory)
-        executor.log_path.unlink(missing_ok=True)
 
     def _clean_up(self, uid: int, directory: Path) -> None:
         shutil.rmtree(directory, ignore_errors=True)
@@ -297,7 +298,6 @@ class ColocatedHostService(cluster_pb2_grpc.ColocatedHostServicer):
     async def stop_all(self) -> None:
         await asyncio.gather(*(self._stop(executor) for executor in list(self._running)))
         shutil.rmtree(self.root, ignore_errors=True)
-        shutil.rmtree(self._logs, ignore_errors=True)
 
 
 async def _ready(read: int) -> bool:
@@ -320,6 +320,19 @@ async def _ready(read: int) -> bool:
     finally:
         loop.remove_reader(read)
         os.close(read)
+
+
+def _signal(process: asyncio.subprocess.Process, number: int) -> None:
+    """Signals a child asyncio has not reaped yet, by pid.
+
+    Not ``process.terminate()``: subprocess polls the child first, which reaps one that has just ended
+    behind asyncio's child watcher, and asyncio then reports its status as 255. A pid nobody has
+    reaped is still this child's.
+    """
+    try:
+        os.kill(process.pid, number)
+    except ProcessLookupError:
+        pass
 
 
 def _kill_leftovers(process_group: int, uid: int | None) -> None:

@@ -63,6 +63,9 @@ class Session:
         # What the client sent as ClientConnectionOptions.initialization_data.
         self.init_attributes = init_attributes or {}
         self.events = context.events.sink(self.tenant)
+        # The output of the client connection this session belongs to (None: it sent no secret, and
+        # nobody could read it): what its code beside the devices writes, and the context of its calls.
+        self.output = context.outputs.open(self.tenant, self.secret)
         self.messages = schema.load()
         limits = context.limits
         self.host_buffers = HostBuffers(
@@ -97,7 +100,8 @@ class Session:
             self._devices_requested = True
         started = time.time()
         with self.context.activities.track("wait", "waiting for devices", self.tenant):
-            devices = self.context.runtime.open_session(self.session_id, self.init_attributes, self.events)
+            output = self.output.add if self.output is not None else None
+            devices = self.context.runtime.open_session(self.session_id, self.init_attributes, self.events, output)
         waited = time.time() - started
         if waited > 0.05:
             self.events(event("wait", "waiting for devices", devices.device_ids, started, started + waited))
@@ -298,6 +302,8 @@ class Session:
         del futures, arrays
         if self._devices is not None:
             self._devices.release()
+        if self.output is not None:
+            self.context.outputs.release(self.output)
         release_free_memory()
 
 
