@@ -15,7 +15,10 @@ Each executor runs a tenant's code, so it gets as little as the host can give it
   host's own user, with a warning that tenants are then not kept apart;
 - its own directory (its home, working and temporary directory, and where array shards pass
   through), mode 0700, removed when it ends, with every process left running as its user;
-- an environment of its own: no cluster token, nothing of the host's environment but ``PATH``.
+- an environment of its own: no cluster token, nothing of the host's environment but ``PATH``;
+  an interpreter of another Python version than the host's (``--executor_python``) gets none of the
+  host's packages either, only this installation's ``pathways_nb`` (the executor needs it): its
+  own environment must have jax, numpy, cloudpickle, grpcio and protobuf.
 
 The host's socket lives in a directory of the cluster's user and its calls need the cluster token.
 """
@@ -57,20 +60,29 @@ STOP_GRACE_S = 5.0
 # Executors' users: uids (and gids) from here on, one per executor while it runs.
 DEFAULT_UID_BASE = 1_500_000_000
 UID_RANGE = 1 << 24
+# How long the host's start waits to learn the version of the executors' Python.
+VERSION_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
 class ExecutorPolicy:
-    """How this host runs executors: which Python, and whether each as a user of its own."""
+    """How this host runs executors: which Python, whether each as a user of its own, and with which packages.
+
+    ``host_packages``: the executors' Python is of this host's version, and gets this host's packages;
+    one of another version gets only this installation's ``pathways_nb`` (their compiled parts, numpy's
+    say, would not load in it).
+    """
 
     python: str
     separate_users: bool
     uid_base: int = DEFAULT_UID_BASE
+    host_packages: bool = True
 
 
 def choose_policy(python: str | None = None, uid_base: int = DEFAULT_UID_BASE) -> ExecutorPolicy:
     """Separate users where this process may switch users and they can run ``python``; else its own user."""
     python = python or sys.executable
+    host_packages = python == sys.executable or _python_version(python) == sys.version_info[:2]
     if os.geteuid() != 0:
         _LOGGER.warning(
             "colocated Python executors run as this host's own user (%d): only root can give each a user of "
@@ -78,8 +90,8 @@ def choose_policy(python: str | None = None, uid_base: int = DEFAULT_UID_BASE) -
             "Use it for one tenant, or run the host as root",
             os.getuid(),
         )
-        return ExecutorPolicy(python, separate_users=False, uid_base=uid_base)
-    problem = _probe_as_other_user(python, uid_base + UID_RANGE - 1)
+        return ExecutorPolicy(python, False, uid_base, host_packages)
+    problem = _probe_as_other_user(python, uid_base + UID_RANGE - 1, host_packages)
     if problem:
         _LOGGER.warning(
             "colocated Python executors run as root: a user of their own cannot run %s (%s). Install Python "
@@ -88,36 +100,68 @@ def choose_policy(python: str | None = None, uid_base: int = DEFAULT_UID_BASE) -
             python,
             problem,
         )
-        return ExecutorPolicy(python, separate_users=False, uid_base=uid_base)
-    return ExecutorPolicy(python, separate_users=True, uid_base=uid_base)
+        return ExecutorPolicy(python, False, uid_base, host_packages)
+    return ExecutorPolicy(python, True, uid_base, host_packages)
 
 
-def _probe_as_other_user(python: str, uid: int) -> str:
-    """Why a user other than this one cannot run an executor with ``python`` ("" if it can)."""
+def _python_version(python: str) -> tuple[int, int] | None:
+    """``python``'s (major, minor), or None if it does not say (its executors' start will say why)."""
     try:
         result = subprocess.run(
-            [python, "-m", "pathways_nb.executor", "--user", str(uid), "--probe"],
-            env=_executor_env(Path("/")),
-            cwd="/",
+            [python, "-c", "import sys; print(*sys.version_info[:2])"],
+            env={"PATH": os.environ.get("PATH", os.defpath)},
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=VERSION_TIMEOUT_S,
         )
-    except (OSError, subprocess.SubprocessError) as error:
-        return str(error)
+        major, minor = result.stdout.split()
+        return int(major), int(minor)
+    except (OSError, subprocess.SubprocessError, ValueError) as error:
+        _LOGGER.warning("the executors' Python %s did not say its version (%s)", python, error)
+        return None
+
+
+def _probe_as_other_user(python: str, uid: int, host_packages: bool) -> str:
+    """Why a user other than this one cannot run an executor with ``python`` ("" if it can)."""
+    with tempfile.TemporaryDirectory(prefix="pathways-nb-executor-probe-") as directory:
+        os.chmod(directory, 0o755)  # the probe's user reads the path it is given there
+        try:
+            result = subprocess.run(
+                [python, "-m", "pathways_nb.executor", "--user", str(uid), "--probe"],
+                env=_executor_env(Path(directory), host_packages),
+                cwd="/",
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+        except (OSError, subprocess.SubprocessError) as error:
+            return str(error)
     if result.returncode == 0:
         return ""
     lines = result.stderr.strip().splitlines()
     return lines[-1] if lines else exit_description(result.returncode)
 
 
-def _executor_env(directory: Path) -> dict[str, str]:
-    """An executor's whole environment: none of the host's (its cluster token least of all)."""
+def _executor_env(directory: Path, host_packages: bool) -> dict[str, str]:
+    """An executor's whole environment: none of the host's (its cluster token least of all).
+
+    Its Python finds this installation's ``pathways_nb``, and with ``host_packages`` this host's
+    packages too (an interpreter of the same version readable by other users, where the host's is
+    not). An interpreter of another version finds ``pathways_nb`` alone, through a link in
+    ``directory``: the directory that holds ``pathways_nb`` may hold the host's packages too.
+    """
     import pathways_nb
 
-    package_parent = str(Path(pathways_nb.__file__).resolve().parent.parent)
-    # Another interpreter than this one (--executor_python) still finds this installation.
-    paths = [package_parent, *site.getsitepackages()]
+    package = Path(pathways_nb.__file__).resolve().parent
+    if host_packages:
+        paths = [str(package.parent), *site.getsitepackages()]
+    else:
+        alone = directory / "pathways-nb-path"
+        alone.mkdir(exist_ok=True)
+        link = alone / package.name
+        if not link.is_symlink():
+            link.symlink_to(package, target_is_directory=True)
+        paths = [str(alone)]
     return {
         "PATH": os.environ.get("PATH", os.defpath),
         "HOME": str(directory),
@@ -249,7 +293,7 @@ class ColocatedHostService(cluster_pb2_grpc.ColocatedHostServicer):
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
-                env=_executor_env(directory),
+                env=_executor_env(directory, self.policy.host_packages),
                 cwd=directory,
                 pass_fds=(ready_write, records_write),
                 start_new_session=True,
