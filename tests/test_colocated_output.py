@@ -41,21 +41,13 @@ def dropped(text: str) -> int:
 # -- the host's bounds, alone ------------------------------------------------------------------------
 
 
-async def _reader(fd: int) -> asyncio.StreamReader:
-    reader = asyncio.StreamReader()
-    await asyncio.get_running_loop().connect_read_pipe(
-        lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", buffering=0)
-    )
-    return reader
-
-
 def test_a_flood_through_the_pipes_keeps_the_budget_and_counts_every_line_it_drops():
     lines = 1_000_000
 
     async def run() -> list:
         (out_r, out_w), (err_r, err_w), (records_r, records_w) = os.pipe(), os.pipe(), os.pipe()
         output = ExecutorOutput()
-        await output.read(await _reader(out_r), await _reader(err_r), records_r)
+        await output.read(out_r, err_r, records_r)
         channel = OutputChannel(records_w)
         stream = LineStream(channel, colocated_output.STDOUT, sys.__stdout__)
 

@@ -268,7 +268,10 @@ class ColocatedHostService(cluster_pb2_grpc.ColocatedHostServicer):
         directory = self.root / name
         directory.mkdir(mode=0o700)
         ready_read, ready_write = os.pipe()
-        records_read, records_write = os.pipe()
+        # Its stdout, its stderr and its records pipe (``launch.executor_output``): this host's to read and close.
+        (stdout_read, stdout_write), (stderr_read, stderr_write), (records_read, records_write) = pipes = [
+            os.pipe() for _ in range(3)
+        ]
         try:
             if uid != os.getuid():
                 os.chown(directory, uid, uid)
@@ -291,8 +294,8 @@ class ColocatedHostService(cluster_pb2_grpc.ColocatedHostServicer):
                 *(["--user", str(uid)] if uid != os.getuid() else []),
                 # Started as this user: it changes users itself (see pathways_nb.executor.__main__).
                 stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
+                stdout=stdout_write,
+                stderr=stderr_write,
                 env=_executor_env(directory, self.policy.host_packages),
                 cwd=directory,
                 pass_fds=(ready_write, records_write),
@@ -302,14 +305,14 @@ class ColocatedHostService(cluster_pb2_grpc.ColocatedHostServicer):
                 umask=0o022,
             )
         except BaseException:
-            for descriptor in (ready_read, ready_write, records_read, records_write):
+            for descriptor in (ready_read, ready_write, *itertools.chain.from_iterable(pipes)):
                 os.close(descriptor)
             self._clean_up(uid, directory)
             raise
-        os.close(ready_write)
-        os.close(records_write)
+        for descriptor in (ready_write, stdout_write, stderr_write, records_write):
+            os.close(descriptor)
         output = ExecutorOutput()
-        await output.read(process.stdout, process.stderr, records_read)
+        await output.read(stdout_read, stderr_read, records_read)
         executor = _Executor(process, uid, directory, output)
         if not await _ready(ready_read):
             await self._stop(executor)

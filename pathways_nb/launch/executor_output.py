@@ -52,19 +52,19 @@ class ExecutorOutput:
         self._call = ("", "")  # (name, context) of the executor's latest call
         self._changed = asyncio.Event()
         self._readers: list[asyncio.Task] = []
-        self._records_pipe: asyncio.BaseTransport | None = None
+        self._pipes: list[asyncio.BaseTransport] = []
 
-    async def read(self, stdout: asyncio.StreamReader, stderr: asyncio.StreamReader, records_fd: int) -> None:
-        """Starts reading the executor's stdout, stderr and records pipe (a descriptor, closed here in the end)."""
-        records = asyncio.StreamReader()
-        self._records_pipe, _ = await asyncio.get_running_loop().connect_read_pipe(
-            lambda: asyncio.StreamReaderProtocol(records), os.fdopen(records_fd, "rb", buffering=0)
-        )
-        self._readers = [
-            asyncio.ensure_future(self._read(stdout, colocated_output.STDOUT)),
-            asyncio.ensure_future(self._read(stderr, colocated_output.STDERR)),
-            asyncio.ensure_future(self._read(records, "records")),
-        ]
+    async def read(self, stdout: int, stderr: int, records: int) -> None:
+        """Starts reading the executor's stdout, stderr and records pipe (the read ends: closed here in the end,
+        even if a process the executor started still holds the other end)."""
+        loop = asyncio.get_running_loop()
+        for descriptor, stream in ((stdout, colocated_output.STDOUT), (stderr, colocated_output.STDERR), (records, "")):
+            reader = asyncio.StreamReader()
+            pipe, _ = await loop.connect_read_pipe(
+                lambda reader=reader: asyncio.StreamReaderProtocol(reader), os.fdopen(descriptor, "rb", buffering=0)
+            )
+            self._pipes.append(pipe)
+            self._readers.append(asyncio.ensure_future(self._read(reader, stream)))
 
     async def drained(self, timeout_s: float = DRAIN_WAIT_S) -> None:
         """Waits (bounded) until the pipes have ended, then stops reading them."""
@@ -75,10 +75,11 @@ class ExecutorOutput:
     def close(self) -> None:
         for reader in self._readers:
             reader.cancel()
-        if self._records_pipe is not None:
-            self._records_pipe.close()
+        for pipe in self._pipes:
+            pipe.close()
 
     async def _read(self, reader: asyncio.StreamReader, stream: str) -> None:
+        """Reads one pipe to its end: ``stream`` stdout or stderr, or "" for the records pipe."""
         partial = b""
         while True:
             chunk = await reader.read(_READ_BYTES)
