@@ -1,4 +1,5 @@
-"""Shared fixtures: a single-process proxy and a 2-island LocalCluster, each started once per run.
+"""Shared fixtures: a single-process proxy, a 2-island LocalCluster, and one with colocated Python, each
+started once per run.
 
 Tests that take ``remote``/``local``/``both`` run against both backends: this
 process connects to one, then the other, with two JAX backends at a time:
@@ -55,6 +56,18 @@ def kernel_installed(tmp_path_factory):
 def cluster():
     with LocalCluster(islands=2, devices_per_host=4) as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="session")
+def colocated_cluster():
+    """2 islands of one host and 2 devices, running colocated Python (tests/test_colocated_*.py share it).
+
+    Where this machine lets executors run as users of their own (root, and a Python other users can
+    read), they do.
+    """
+    python = testing.other_users_python()
+    with LocalCluster(islands=2, devices_per_host=2, colocated_python=True, colocated_python_executable=python) as c:
+        yield c
 
 
 @dataclass(frozen=True)

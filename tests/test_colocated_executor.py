@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -288,3 +289,92 @@ def test_the_host_refuses_callers_without_the_cluster_token(host):
         with pytest.raises(grpc.RpcError) as refused:
             next(events)
     assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+# The Python 3.12 environment with jax 0.12 that make test builds (tests/test_compat.py uses it too).
+PY312 = os.environ.get("PATHWAYS_PY312_PYTHON")
+NO_PY312 = "no Python 3.12 with jax 0.12: make test builds it and passes it in PATHWAYS_PY312_PYTHON"
+
+# Run by that Python: a function as its jax's colocated_python ships it, on its CPU device 1 (cluster id 1).
+PY312_PROGRAM = """
+import sys, jax, numpy as np
+from jax import tree_util
+from jax._src.lib import xla_client
+from jax.experimental.colocated_python import serialization
+
+jax.config.update("jax_num_cpu_devices", 2)
+
+def where(x):
+    import sys, numpy
+    print("executor", sys.version_info.major, sys.version_info.minor, "numpy", numpy.__version__)
+    return x * 2
+
+device = jax.devices()[1]
+spec = jax.ShapeDtypeStruct((3,), np.float32, sharding=jax.sharding.SingleDeviceSharding(device))
+in_leaves, in_tree = tree_util.tree_flatten(((spec,), {}))
+out_leaves, out_tree = tree_util.tree_flatten(spec)
+devices = xla_client.DeviceList((device,))
+text = serialization._serialize((where, in_tree, tuple(in_leaves), out_tree, tuple(out_leaves), devices))
+print(np.__version__, text.hex())
+"""
+
+
+@pytest.fixture
+def host_with(tmp_path):
+    """``host_with(python)``: a colocated host whose executors run ``python``; its link (closed afterwards)."""
+    started = []
+
+    def start(python: str) -> ColocatedHostLink:
+        token = generate_token()
+        socket_path = str(tmp_path / f"host-{len(started)}.sock")
+        server = ChildServer(
+            "colocated-host",
+            ["colocated-host", "--socket", socket_path, "--executor_python", python],
+            env={**os.environ, "PATHWAYS_CLUSTER_TOKEN": token},
+        )
+        server.start(120)
+        link = ColocatedHostLink(f"unix:{socket_path}", ClusterCredentials(token=token), "the test host")
+        started.append((server, link))
+        return link
+
+    yield start
+    for server, link in started:
+        link.close()
+        server.close()
+
+
+@pytest.mark.skipif(not PY312, reason=NO_PY312)
+def test_an_executor_of_another_python_runs_with_its_own_packages(host_with):
+    """The client's interpreter (MaxText needs Python 3.12) as the executors': none of the cluster's packages."""
+    made = subprocess.run([PY312, "-c", PY312_PROGRAM], capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr[-3000:]
+    numpy_version, text = made.stdout.split()
+    text = bytes.fromhex(text)
+    printed = []
+    executor = host_with(PY312).executor("py312", "tenant", [0, 1], printed.extend)
+    shipped = Program("where", hashlib.sha256(text).digest(), text, [ResultShape(F32, (3,), (3,))])
+    (out,) = run(executor, shipped, [f32([1, 2, 3])])
+    assert out.shards[1].tolist() == [2.0, 4.0, 6.0]
+    assert [line.text for line in printed] == [f"executor 3 12 numpy {numpy_version}"]  # its own numpy
+
+
+def _bare_python_of_another_version() -> str | None:
+    """A Python 3.12 without the packages an executor needs (the interpreter of make test's 3.12 venv)."""
+    if not PY312:
+        return None
+    found = subprocess.run([PY312, "-c", "import sys; print(sys._base_executable)"], capture_output=True, text=True)
+    base = found.stdout.strip()
+    bare = base and subprocess.run([base, "-I", "-c", "import grpc"], capture_output=True).returncode != 0
+    return base if bare else None
+
+
+def test_an_executor_that_cannot_start_says_why_in_its_own_words(host_with):
+    python = _bare_python_of_another_version()
+    if python is None:
+        pytest.skip("no bare Python 3.12 here (the base interpreter of PATHWAYS_PY312_PYTHON, without grpc)")
+    executor = host_with(python).executor("bare", "tenant", [0, 1])
+    with pytest.raises(RequestError) as failed:
+        run(executor, program(lambda x: x, [spec((1,))], spec((1,))), [f32([1])])
+    message = failed.value.message
+    assert f"the executor ({python}) did not start (exited with status 1); its output:" in message
+    assert "ModuleNotFoundError: No module named" in message  # the executor's own words, not the host's

@@ -38,14 +38,6 @@ cpus = cp.colocated_cpu_devices(jax.devices())
 """
 
 
-@pytest.fixture(scope="module")
-def colocated_cluster():
-    with LocalCluster(
-        islands=2, devices_per_host=2, colocated_python=True, colocated_python_executable=other_users_python()
-    ) as cluster:
-        yield cluster
-
-
 @pytest.fixture
 def open_directory():
     """A directory every user may write in (executors run as users of their own), removed afterwards.
@@ -272,7 +264,7 @@ say(after=int(np.asarray(pid_or_wait(zero))))
     assert all(w.alive() for w in colocated_cluster.workers.values())
 
 
-def test_two_tenants_executors_see_neither_each_others_globals_nor_files(colocated_cluster, open_directory):
+def test_two_tenants_executors_see_neither_each_others_globals_nor_files_nor_output(colocated_cluster, open_directory):
     meeting = open_directory  # where each tenant's executor says where its files are
     body = """
 role, meeting = sys.argv[4], sys.argv[5]
@@ -280,6 +272,7 @@ role, meeting = sys.argv[4], sys.argv[5]
 @cp.colocated_python
 def visit(x):
     import builtins, os, pathlib
+    print(f"tenant {role} was here", file=sys.stderr)  # printed by its own client only
     seen = getattr(builtins, "secret", None)
     builtins.secret = role
     pathlib.Path("secret.txt").write_text(role)
@@ -308,9 +301,10 @@ sys.stdin.readline()  # the session (and its executor) lives until the test says
         clients.append(b := start_client(colocated_cluster, body, "tenant-b", "b", meeting))
         second = json.loads(b.stdout.readline())
     finally:
-        for process in clients:
-            process.communicate("\n", timeout=CLIENT_TIMEOUT_S)
+        errors = [process.communicate("\n", timeout=CLIENT_TIMEOUT_S)[1] for process in clients]
     assert first["fresh"] == second["fresh"] == 1.0  # neither saw the other's globals
+    for role, other, error in (("a", "b", errors[0]), ("b", "a", errors[1])):
+        assert f"[island 0 host 0] tenant {role} was here" in error and f"tenant {other} was here" not in error
     if other_users_python() is None:
         pytest.skip("executors share this host's user here: files are not kept apart (docs/colocated_python.md)")
     assert first["uid"] != second["uid"] and 0 not in (first["uid"], second["uid"])

@@ -190,8 +190,16 @@ def test_colocated_input_trains_from_pipelines_on_the_hosts(kernel_installed):
     _, cells = _execute("colocated_input")
     devices = _outputs(_cell(cells, "import jax"))
     assert "cpu:0 (cpu accelerator) has cpu:4 beside it, on island 0" in devices
-    learned = re.search(r"learned \[([^\]]+)\]", _outputs(_cell(cells, "@jax.jit"))).group(1)
+    training = _outputs(_cell(cells, "@jax.jit"))
+    learned = re.search(r"learned \[([^\]]+)\]", training).group(1)
     assert np.allclose([float(v) for v in learned.split()], [2.0, -3.0, 0.5, 1.0], atol=0.05), learned
+    printed = [line for line in training.splitlines() if line.startswith("[island")]  # by the pipelines
+    assert sorted(printed) == [
+        f"[island {i} host 0] {what}"
+        for i in (0, 1)
+        for what in (f"pipeline of seed {i} ready: 32 examples a batch", "served 20 batches", "served 40 batches")
+    ]
+    assert "[island 1 host 0] served 40 batches" in _outputs(_cell(cells, "%pathways logs"))
     served = _outputs(_cell(cells, "import psutil"))
     assert "{0: 40, 1: 40} batches served per island" in served
     assert served.count("executor pid") == 2  # one per island's host

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from pathways_nb.client import jax_plugin, tables
+from pathways_nb.client import jax_plugin, remote_output, tables
 from pathways_nb.client.observe import Observer, ObserveUnavailable
 from pathways_nb.client.timeline import DeviceLabel, Timeline
 from pathways_nb.core import tuning
@@ -77,6 +77,8 @@ class Session:
         self.secret = secret  # what this connection sent, so that it can end its own sessions
         # A LocalCluster started for this session (%pathways connect local): stopped with it.
         self.local_cluster = None
+        # What the session's code beside the devices prints, printed here (None: the cluster runs none).
+        self.output: remote_output.RemoteOutput | None = None
         self._observer: Observer | None = None
         self._state: pb.ClusterState | None = None
         self._note = ""
@@ -126,6 +128,12 @@ class Session:
     def add_device_spans(self, events: list[pb.Event], keep: int = 200_000) -> None:
         """Adds a profiled run's device spans to the session's timelines (the newest ``keep``)."""
         self.device_spans = [*self.device_spans, *events][-keep:]
+
+    def logs(self, workers: bool = False) -> str:
+        """What the session's code beside the devices (colocated Python) printed lately, each line tagged with
+        where it ran; with ``workers``, the workers' lines about the session's programs (errors, warnings)."""
+        lines = self.observer.output(self.tenant, self.secret, workers=workers).lines
+        return remote_output.format_lines(lines)
 
     def trace(self, path: str, last: int | None = None) -> str:
         """Writes the timeline as Chrome-trace JSON (Perfetto, chrome://tracing); returns ``path``."""
@@ -279,6 +287,7 @@ def connect(
         session.state()
     except PathwaysError as error:  # a server without the observe API (Pathways on Cloud)
         session._note = str(error)
+    session.output = remote_output.follow(session)
     _state["connection"] = session
     _state["previous"] = previous
     return session
@@ -377,6 +386,8 @@ def disconnect() -> None:
 
 def _end_sessions(session: Session) -> None:
     """Asks the proxy to end this tenant's sessions now: arrays still held here would keep them open."""
+    if session.output is not None:
+        session.output.close()  # (what is left first)
     try:
         session.observer.end_sessions(session.tenant, session.secret)
     except PathwaysError as error:

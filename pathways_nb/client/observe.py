@@ -48,6 +48,8 @@ class Observer:
                     f"token, pathways_nb.connect(..., token=...) or %pathways connect ... --token, or set {TOKEN_ENV} "
                     "(pathways-nb up prints where its token is)"
                 ) from None
+            if error.code() == grpc.StatusCode.NOT_FOUND:
+                raise PathwaysError(error.details()) from None
             raise PathwaysError(f"the server at {self.address} did not answer: {error.details()}") from None
 
     def state(self) -> pb.ClusterState:
@@ -85,6 +87,23 @@ class Observer:
             )
         except grpc.RpcError as error:
             raise PathwaysError(f"reading the cluster's traces failed: {error.details()}") from None
+
+    def output(self, tenant: str, secret: str, after: int = 0, workers: bool = False) -> pb.OutputLines:
+        """The lines after ``after`` that the proxy holds of the connection ``tenant`` and ``secret`` name (its
+        code beside the devices), or with ``workers`` the workers' lines about its programs."""
+        request = pb.OutputRequest(tenant=tenant, secret=secret, after=after, workers=workers)
+        return self._call(self._stub.GetOutput, request)
+
+    def switch_output_context(
+        self, tenant: str, secret: str, context: str, after: int, timeout_s: float = 5.0
+    ) -> pb.OutputLines:
+        """Tags the connection's later calls with ``context``; returns its lines after ``after``."""
+        request = pb.OutputContextRequest(tenant=tenant, secret=secret, context=context, after=after)
+        return self._call(self._stub.SwitchOutputContext, request, timeout_s)
+
+    def watch_output(self, tenant: str, secret: str, after: int = 0):
+        """The connection's lines as they come: a stream of ``OutputLines`` (``cancel()`` ends it)."""
+        return self._stub.WatchOutput(pb.OutputRequest(tenant=tenant, secret=secret, after=after))
 
     def end_sessions(self, tenant: str, secret: str) -> int:
         """Ends the sessions of ``tenant`` whose connection sent ``secret``; returns how many."""

@@ -185,9 +185,13 @@ class HostContext:
     session: str = ""
     # This host's colocated Python (``worker.colocated.ColocatedPython``; None: the cluster runs none).
     colocated: Any = None
+    # Where what the program's user code writes goes (``worker.executors.LineSink``; None: nowhere), and
+    # the client's output context of the call, which tags it (``pathways_nb.v1.OutputLine.context``).
+    output: Any = None
+    output_context: str = ""
 
-    def for_tenant(self, tenant: str, session: str = "") -> HostContext:
-        return dataclasses.replace(self, tenant=tenant, session=session)
+    def for_tenant(self, tenant: str, session: str = "", output: Any = None, output_context: str = "") -> HostContext:
+        return dataclasses.replace(self, tenant=tenant, session=session, output=output, output_context=output_context)
 
 
 class ProgramKind:

@@ -211,9 +211,12 @@ class DeviceValue(Protocol):
 class Runtime(Protocol):
     """The devices a proxy serves: each client session gets its share with ``open_session``."""
 
-    async def open_session(self, session_id: int, attributes: dict[str, Any], events: Callable) -> DeviceSession:
+    async def open_session(
+        self, session_id: int, attributes: dict[str, Any], events: Callable, output: Callable | None = None
+    ) -> DeviceSession:
         """The devices of a new session, awaited on the proxy's loop (it may queue for capacity; raises
-        ``RequestError``). ``events`` receives the session's ``execute`` and ``transfer`` events.
+        ``RequestError``). ``events`` receives the session's ``execute`` and ``transfer`` events; ``output(island,
+        host_index, lines)`` what its code beside the devices writes (``pathways_nb.v1.OutputLine``s; None: nowhere).
         """
         ...
 
@@ -323,9 +326,10 @@ class DeviceSession(Protocol):
         single-process server, else the proxy's."""
         ...
 
-    def run_program(self, plan: Any, request: bytes, args: Sequence) -> list:
+    def run_program(self, plan: Any, request: bytes, args: Sequence, output_context: str = "") -> list:
         """Runs a non-XLA program's host half (``core.nonxla``) on every host of ``plan``; blocks until all are done.
 
-        ``plan`` is a ``nonxla.ProgramPlan``; returns one value per output of the plan.
+        ``plan`` is a ``nonxla.ProgramPlan``; returns one value per output of the plan. ``output_context``:
+        the client's context of the call, which tags what the call writes (``HostContext.output_context``).
         """
         ...

@@ -241,6 +241,47 @@ EXECUTOR_LOG_TAIL_LINES = _define(
     "executor_log_tail_lines", 20, "lines of an executor's output quoted when it fails to start or dies"
 )
 
+EXECUTOR_VERSION_TIMEOUT_S = _define(
+    "executor_version_timeout_s", 60.0, "how long a colocated host's start waits to learn its executors' Python version"
+)
+
+# -- colocated Python's output (docs/colocated_python.md, "Output") -------------------------------------
+
+OUTPUT_RATE_LINES_S = _define(
+    "output_rate_lines_s",
+    100.0,
+    "lines a second a session's executor on one host may sustain; more are dropped and counted",
+)
+OUTPUT_BURST_LINES = _define("output_burst_lines", 1000, "lines a session's executor on one host may write at once")
+OUTPUT_MAX_LINE_CHARS = _define(
+    "output_max_line_chars", 8192, "a line (or logging record) longer than this is cut, saying by how much"
+)
+OUTPUT_HOST_BUFFER_LINES = _define(
+    "output_host_buffer_lines", 2000, "lines a host holds for its worker while the worker's stream is busy"
+)
+OUTPUT_DROP_REPORT_INTERVAL_S = _define(
+    "output_drop_report_interval_s", 5.0, "lines dropped over a bound are reported when their call ends, or this often"
+)
+OUTPUT_HISTORY_LINES = _define(
+    "output_history_lines", 5000, "the latest lines of a client connection the proxy keeps (%pathways logs)"
+)
+OUTPUT_HISTORY_BYTES = _define("output_history_bytes", 4 << 20, "the most bytes of text those lines may take")
+OUTPUT_WORKER_HISTORY_LINES = _define(
+    "output_worker_history_lines", 1000, "the workers' latest lines about a connection's programs the proxy keeps"
+)
+OUTPUT_BATCH_DELAY_S = _define(
+    "output_batch_delay_s", 0.05, "a host waits this long for more of an executor's lines, to send them in one message"
+)
+OUTPUT_DRAIN_WAIT_S = _define("output_drain_wait_s", 2.0, "how long a host waits for an ending executor's last lines")
+OUTPUT_CALL_WAIT_S = _define(
+    "output_call_wait_s",
+    1.0,
+    "how long an answered call waits for its output to be all on its way before it is answered",
+)
+OUTPUT_WATCH_INTERVAL_S = _define(
+    "output_watch_interval_s", 0.1, "how often the proxy sends a client what its code beside the devices wrote"
+)
+
 # -- scheduling ----------------------------------------------------------------------------------------
 
 GANG_MAX_IN_FLIGHT = _define(

@@ -5,15 +5,16 @@ supervisor starts it as itself, because a process with gRPC's threads must not f
 change users before ``exec`` (gRPC's fork handlers crash the child), while starting a process
 without changing anything lets Python use ``vfork``. It ends with its supervisor (the kernel's
 parent-death signal, set after the user changed, which clears it) and on SIGTERM; it says it
-serves by writing a line to ``--ready_fd``. ``--probe`` only checks that the user can import
-what an executor needs (the interpreter and its libraries must be readable by other users).
+serves by writing a line to ``--ready_fd``, and writes its Python output and logging records, tagged
+with their calls, to ``--output_fd`` (``pathways_nb.executor.output``). ``--probe`` only checks that
+the user can import what an executor needs (the interpreter and its libraries must be readable by
+other users).
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
-import logging
 import os
 import signal
 import sys
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--devices", help="cluster ids of the host's colocated CPU devices, a,b,...")
     parser.add_argument("--parent", type=int, help="the supervisor's pid")
     parser.add_argument("--ready_fd", type=int, help="write a line here once serving")
+    parser.add_argument("--output_fd", type=int, help="write output records here (pathways_nb.executor.output)")
     args = parser.parse_args(argv)
     if args.user is not None:
         _become(args.user)
@@ -60,7 +62,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return 0
     _end_with_parent(args.parent)
-    logging.basicConfig(level="WARNING", format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from pathways_nb.executor.output import OutputChannel, capture
+
+    channel = OutputChannel(args.output_fd)
+    capture(channel)
     device_ids = [int(i) for i in args.devices.split(",") if i]
 
     import grpc
@@ -79,9 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="colocated-python"),
         options=[("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)],
     )
-    cluster_pb2_grpc.add_ColocatedExecutorServicer_to_server(ExecutorService(devices, Path(args.directory)), server)
+    service = ExecutorService(devices, Path(args.directory), channel)
+    cluster_pb2_grpc.add_ColocatedExecutorServicer_to_server(service, server)
     if not server.add_insecure_port(f"unix:{args.socket}"):
-        print(f"cannot listen on {args.socket}", file=sys.stderr)
+        print(f"cannot listen on {args.socket}", file=sys.__stderr__)
         return 1
     server.start()
     stopped = threading.Event()

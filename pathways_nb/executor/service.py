@@ -14,6 +14,7 @@ import numpy as np
 
 from pathways_nb.core import colocated_arrays
 from pathways_nb.core.convert import status_of
+from pathways_nb.executor.output import OutputChannel
 from pathways_nb.executor.programs import ColocatedDevices, Programs, call, check_client_versions, make_args
 from pathways_nb.protocol.errors import InvalidRequest, as_request_error
 from pathways_nb.rpc import cluster_pb2 as pb
@@ -23,14 +24,22 @@ _LOGGER = logging.getLogger(__name__)
 
 
 class ExecutorService(cluster_pb2_grpc.ColocatedExecutorServicer):
-    """Runs one session's colocated programs on ``devices``; shard files live in ``directory``."""
+    """Runs one session's colocated programs on ``devices``; shard files live in ``directory``.
 
-    def __init__(self, devices: ColocatedDevices, directory: Path):
+    What a call writes goes to ``output`` tagged with the call (its end tells the host that it has it all).
+    """
+
+    def __init__(self, devices: ColocatedDevices, directory: Path, output: OutputChannel):
         self.devices = devices
         self.directory = directory
         self.programs = Programs()
+        self.output = output
 
     def Run(self, request: pb.ColocatedCall, context) -> pb.ColocatedResult:
+        with self.output.call(request.call, request.name, request.context):
+            return self._run(request)
+
+    def _run(self, request: pb.ColocatedCall) -> pb.ColocatedResult:
         try:
             check_client_versions(
                 {"python": request.client_python, "jax": request.client_jax, "cloudpickle": request.client_cloudpickle}

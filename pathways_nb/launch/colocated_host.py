@@ -4,8 +4,9 @@
 and ``pathways-nb up --colocated_python`` start one per host; on Kubernetes it is a sidecar
 container of the worker's pod, sharing its ``/dev/shm``). The worker holds one
 ``ColocatedHost.Executor`` call per session that runs colocated Python: the host starts an
-executor (``python -m pathways_nb.executor``) for it, says where it listens, reports it if it
-dies, and stops it when the call ends: the session ended, or its worker died.
+executor (``python -m pathways_nb.executor``) for it, says where it listens, sends what it writes
+(bounded: ``launch.executor_output``), reports it if it dies, and stops it when the call ends: the
+session ended, or its worker died.
 
 Each executor runs a tenant's code, so it gets as little as the host can give it:
 
@@ -14,7 +15,10 @@ Each executor runs a tenant's code, so it gets as little as the host can give it
   host's own user, with a warning that tenants are then not kept apart;
 - its own directory (its home, working and temporary directory, and where array shards pass
   through), mode 0700, removed when it ends, with every process left running as its user;
-- an environment of its own: no cluster token, nothing of the host's environment but ``PATH``.
+- an environment of its own: no cluster token, nothing of the host's environment but ``PATH``;
+  an interpreter of another Python version than the host's (``--executor_python``) gets none of the
+  host's packages either, only this installation's ``pathways_nb`` (the executor needs it): its
+  own environment must have jax, numpy, cloudpickle, grpcio and protobuf.
 
 The host's socket lives in a directory of the cluster's user and its calls need the cluster token.
 """
@@ -41,6 +45,7 @@ import psutil
 from pathways_nb.core import shared_memory, tuning
 from pathways_nb.core.aio_server import BackgroundServer
 from pathways_nb.core.security import ClusterCredentials
+from pathways_nb.launch.executor_output import ExecutorOutput
 from pathways_nb.launch.processes import exit_description
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
@@ -55,16 +60,23 @@ UID_RANGE = 1 << 24
 
 @dataclass(frozen=True)
 class ExecutorPolicy:
-    """How this host runs executors: which Python, and whether each as a user of its own."""
+    """How this host runs executors: which Python, whether each as a user of its own, and with which packages.
+
+    ``host_packages``: the executors' Python is of this host's version, and gets this host's packages;
+    one of another version gets only this installation's ``pathways_nb`` (their compiled parts, numpy's
+    say, would not load in it).
+    """
 
     python: str
     separate_users: bool
     uid_base: int = DEFAULT_UID_BASE
+    host_packages: bool = True
 
 
 def choose_policy(python: str | None = None, uid_base: int = DEFAULT_UID_BASE) -> ExecutorPolicy:
     """Separate users where this process may switch users and they can run ``python``; else its own user."""
     python = python or sys.executable
+    host_packages = python == sys.executable or _python_version(python) == sys.version_info[:2]
     if os.geteuid() != 0:
         _LOGGER.warning(
             "colocated Python executors run as this host's own user (%d): only root can give each a user of "
@@ -72,8 +84,8 @@ def choose_policy(python: str | None = None, uid_base: int = DEFAULT_UID_BASE) -
             "Use it for one tenant, or run the host as root",
             os.getuid(),
         )
-        return ExecutorPolicy(python, separate_users=False, uid_base=uid_base)
-    problem = _probe_as_other_user(python, uid_base + UID_RANGE - 1)
+        return ExecutorPolicy(python, False, uid_base, host_packages)
+    problem = _probe_as_other_user(python, uid_base + UID_RANGE - 1, host_packages)
     if problem:
         _LOGGER.warning(
             "colocated Python executors run as root: a user of their own cannot run %s (%s). Install Python "
@@ -82,36 +94,68 @@ def choose_policy(python: str | None = None, uid_base: int = DEFAULT_UID_BASE) -
             python,
             problem,
         )
-        return ExecutorPolicy(python, separate_users=False, uid_base=uid_base)
-    return ExecutorPolicy(python, separate_users=True, uid_base=uid_base)
+        return ExecutorPolicy(python, False, uid_base, host_packages)
+    return ExecutorPolicy(python, True, uid_base, host_packages)
 
 
-def _probe_as_other_user(python: str, uid: int) -> str:
-    """Why a user other than this one cannot run an executor with ``python`` ("" if it can)."""
+def _python_version(python: str) -> tuple[int, int] | None:
+    """``python``'s (major, minor), or None if it does not say (its executors' start will say why)."""
     try:
         result = subprocess.run(
-            [python, "-m", "pathways_nb.executor", "--user", str(uid), "--probe"],
-            env=_executor_env(Path("/")),
-            cwd="/",
+            [python, "-c", "import sys; print(*sys.version_info[:2])"],
+            env={"PATH": os.environ.get("PATH", os.defpath)},
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=tuning.EXECUTOR_VERSION_TIMEOUT_S.value,
         )
-    except (OSError, subprocess.SubprocessError) as error:
-        return str(error)
+        major, minor = result.stdout.split()
+        return int(major), int(minor)
+    except (OSError, subprocess.SubprocessError, ValueError) as error:
+        _LOGGER.warning("the executors' Python %s did not say its version (%s)", python, error)
+        return None
+
+
+def _probe_as_other_user(python: str, uid: int, host_packages: bool) -> str:
+    """Why a user other than this one cannot run an executor with ``python`` ("" if it can)."""
+    with tempfile.TemporaryDirectory(prefix="pathways-nb-executor-probe-") as directory:
+        os.chmod(directory, 0o755)  # the probe's user reads the path it is given there
+        try:
+            result = subprocess.run(
+                [python, "-m", "pathways_nb.executor", "--user", str(uid), "--probe"],
+                env=_executor_env(Path(directory), host_packages),
+                cwd="/",
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+        except (OSError, subprocess.SubprocessError) as error:
+            return str(error)
     if result.returncode == 0:
         return ""
     lines = result.stderr.strip().splitlines()
     return lines[-1] if lines else exit_description(result.returncode)
 
 
-def _executor_env(directory: Path) -> dict[str, str]:
-    """An executor's whole environment: none of the host's (its cluster token least of all)."""
+def _executor_env(directory: Path, host_packages: bool) -> dict[str, str]:
+    """An executor's whole environment: none of the host's (its cluster token least of all).
+
+    Its Python finds this installation's ``pathways_nb``, and with ``host_packages`` this host's
+    packages too (an interpreter of the same version readable by other users, where the host's is
+    not). An interpreter of another version finds ``pathways_nb`` alone, through a link in
+    ``directory``: the directory that holds ``pathways_nb`` may hold the host's packages too.
+    """
     import pathways_nb
 
-    package_parent = str(Path(pathways_nb.__file__).resolve().parent.parent)
-    # Another interpreter than this one (--executor_python) still finds this installation.
-    paths = [package_parent, *site.getsitepackages()]
+    package = Path(pathways_nb.__file__).resolve().parent
+    if host_packages:
+        paths = [str(package.parent), *site.getsitepackages()]
+    else:
+        alone = directory / "pathways-nb-path"
+        alone.mkdir(exist_ok=True)
+        link = alone / package.name
+        if not link.is_symlink():
+            link.symlink_to(package, target_is_directory=True)
+        paths = [str(alone)]
     return {
         "PATH": os.environ.get("PATH", os.defpath),
         "HOME": str(directory),
@@ -164,19 +208,12 @@ class UserPool:
 
 @dataclass(eq=False)
 class _Executor:
-    """One running executor and what goes when it ends."""
+    """One running executor, what it writes, and what goes when it ends."""
 
     process: asyncio.subprocess.Process
     uid: int
     directory: Path
-    log_path: Path
-
-    def log_tail(self) -> str:
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        return "\n".join(lines[-tuning.EXECUTOR_LOG_TAIL_LINES.value :])
+    output: ExecutorOutput
 
 
 class ColocatedHostService(cluster_pb2_grpc.ColocatedHostServicer):
@@ -185,8 +222,6 @@ class ColocatedHostService(cluster_pb2_grpc.ColocatedHostServicer):
     def __init__(self, policy: ExecutorPolicy, root: Path):
         self.policy = policy
         self.root = root
-        # Executors' output, on disk (not the shared memory their shards use), for the tail of a crash.
-        self._logs = Path(tempfile.mkdtemp(prefix="pathways-nb-executor-logs-"))
         private = shared_memory.private_root()
         if policy.separate_users and private is None:
             raise RuntimeError("no private directory to hold the executors' users in (see PATHWAYS_SHM_ROOT)")
@@ -201,6 +236,7 @@ class ColocatedHostService(cluster_pb2_grpc.ColocatedHostServicer):
         except (OSError, RuntimeError) as error:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
         self._running.add(executor)
+        exited = asyncio.ensure_future(executor.process.wait())
         try:
             yield pb.ExecutorEvent(
                 started=pb.ExecutorStarted(
@@ -210,11 +246,13 @@ class ColocatedHostService(cluster_pb2_grpc.ColocatedHostServicer):
                     uid=executor.uid,
                 )
             )
-            returncode = await executor.process.wait()
-            ended = pb.ExecutorExit(description=exit_description(returncode), log_tail=executor.log_tail())
+            async for batch in executor.output.batches(exited):
+                yield pb.ExecutorEvent(output=batch)
+            ended = pb.ExecutorExit(description=exit_description(exited.result()), log_tail=executor.output.tail())
             _LOGGER.warning("the executor of session %s %s:\n%s", request.session, ended.description, ended.log_tail)
             yield pb.ExecutorEvent(exited=ended)
         finally:
+            exited.cancel()
             self._running.discard(executor)
             await self._stop(executor)
 
@@ -223,50 +261,59 @@ class ColocatedHostService(cluster_pb2_grpc.ColocatedHostServicer):
         uid = self._users.take() if self.policy.separate_users else os.getuid()
         directory = self.root / name
         directory.mkdir(mode=0o700)
-        log_path = self._logs / f"{name}.log"
-        read, write = os.pipe()
+        ready_read, ready_write = os.pipe()
+        # Its stdout, its stderr and its records pipe (``launch.executor_output``): this host's to read and close.
+        (stdout_read, stdout_write), (stderr_read, stderr_write), (records_read, records_write) = pipes = [
+            os.pipe() for _ in range(3)
+        ]
         try:
             if uid != os.getuid():
                 os.chown(directory, uid, uid)
-            with open(log_path, "wb") as log:
-                process = await asyncio.create_subprocess_exec(
-                    self.policy.python,
-                    "-m",
-                    "pathways_nb.executor",
-                    "--socket",
-                    str(directory / "executor.sock"),
-                    "--directory",
-                    str(directory),
-                    "--devices",
-                    ",".join(str(i) for i in request.device_ids),
-                    "--parent",
-                    str(os.getpid()),
-                    "--ready_fd",
-                    str(write),
-                    *(["--user", str(uid)] if uid != os.getuid() else []),
-                    # Started as this user: it changes users itself (see pathways_nb.executor.__main__).
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env=_executor_env(directory),
-                    cwd=directory,
-                    pass_fds=(write,),
-                    start_new_session=True,
-                    # Files it writes elsewhere (a checkpoint) are readable by a later session's executor, as
-                    # files usually are; its own directory stays closed (0700).
-                    umask=0o022,
-                )
+            process = await asyncio.create_subprocess_exec(
+                self.policy.python,
+                "-m",
+                "pathways_nb.executor",
+                "--socket",
+                str(directory / "executor.sock"),
+                "--directory",
+                str(directory),
+                "--devices",
+                ",".join(str(i) for i in request.device_ids),
+                "--parent",
+                str(os.getpid()),
+                "--ready_fd",
+                str(ready_write),
+                "--output_fd",
+                str(records_write),
+                *(["--user", str(uid)] if uid != os.getuid() else []),
+                # Started as this user: it changes users itself (see pathways_nb.executor.__main__).
+                stdin=subprocess.DEVNULL,
+                stdout=stdout_write,
+                stderr=stderr_write,
+                env=_executor_env(directory, self.policy.host_packages),
+                cwd=directory,
+                pass_fds=(ready_write, records_write),
+                start_new_session=True,
+                # Files it writes elsewhere (a checkpoint) are readable by a later session's executor, as
+                # files usually are; its own directory stays closed (0700).
+                umask=0o022,
+            )
         except BaseException:
-            os.close(read)
-            os.close(write)
+            for descriptor in (ready_read, ready_write, *itertools.chain.from_iterable(pipes)):
+                os.close(descriptor)
             self._clean_up(uid, directory)
             raise
-        os.close(write)
-        executor = _Executor(process, uid, directory, log_path)
-        if not await _ready(read):
+        for descriptor in (ready_write, stdout_write, stderr_write, records_write):
+            os.close(descriptor)
+        output = ExecutorOutput()
+        await output.read(stdout_read, stderr_read, records_read)
+        executor = _Executor(process, uid, directory, output)
+        if not await _ready(ready_read):
             await self._stop(executor)
-            how = exit_description(executor.process.returncode)
-            raise RuntimeError(f"the executor did not start ({how}); its output:\n{executor.log_tail()}")
+            raise RuntimeError(
+                f"the executor ({self.policy.python}) did not start ({exit_description(process.returncode)}); "
+                f"its output:\n{output.tail() or '(none)'}"
+            )
         _LOGGER.info("executor for session %s (tenant %s) started as uid %d", request.session, request.tenant, uid)
         return executor
 
@@ -274,15 +321,15 @@ class ColocatedHostService(cluster_pb2_grpc.ColocatedHostServicer):
         """Ends the executor (SIGTERM, then SIGKILL) and everything it left: processes, files, its user."""
         process = executor.process
         if process.returncode is None:
-            process.terminate()
+            _signal(process, signal.SIGTERM)
             try:
                 await asyncio.wait_for(process.wait(), tuning.EXECUTOR_STOP_GRACE_S.value)
             except asyncio.TimeoutError:
-                process.kill()
+                _signal(process, signal.SIGKILL)
                 await process.wait()
         _kill_leftovers(process.pid, executor.uid if self.policy.separate_users else None)
+        await executor.output.drained()  # what it wrote last is in the tail now
         self._clean_up(executor.uid, executor.directory)
-        executor.log_path.unlink(missing_ok=True)
 
     def _clean_up(self, uid: int, directory: Path) -> None:
         shutil.rmtree(directory, ignore_errors=True)
@@ -292,7 +339,6 @@ class ColocatedHostService(cluster_pb2_grpc.ColocatedHostServicer):
     async def stop_all(self) -> None:
         await asyncio.gather(*(self._stop(executor) for executor in list(self._running)))
         shutil.rmtree(self.root, ignore_errors=True)
-        shutil.rmtree(self._logs, ignore_errors=True)
 
 
 async def _ready(read: int) -> bool:
@@ -315,6 +361,19 @@ async def _ready(read: int) -> bool:
     finally:
         loop.remove_reader(read)
         os.close(read)
+
+
+def _signal(process: asyncio.subprocess.Process, number: int) -> None:
+    """Signals a child asyncio has not reaped yet, by pid.
+
+    Not ``process.terminate()``: subprocess polls the child first, which reaps one that has just ended
+    behind asyncio's child watcher, and asyncio then reports its status as 255. A pid nobody has
+    reaped is still this child's.
+    """
+    try:
+        os.kill(process.pid, number)
+    except ProcessLookupError:
+        pass
 
 
 def _kill_leftovers(process_group: int, uid: int | None) -> None:

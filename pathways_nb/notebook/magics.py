@@ -6,6 +6,7 @@
     %pathways disconnect | status | devices | islands | allocations | help
     %pathways timeline [--live] [--last N]
     %pathways trace FILE [--last N]
+    %pathways logs [--workers]
     %%pathways profile LOGDIR [--hosts N] [--no_servers] [--python]   (a cell magic: profiles the cell)
 
 Each subcommand calls the public Python API (``pathways_nb.connect``,
@@ -86,6 +87,10 @@ def _parser() -> _Parser:
     trace = commands.add_parser("trace", add_help=False, help="write the timeline as a Chrome/Perfetto trace")
     trace.add_argument("file")
     trace.add_argument("--last", type=int, default=None, help="only the last N steps")
+    logs = commands.add_parser("logs", add_help=False, help="what your code beside the devices printed lately")
+    logs.add_argument(
+        "--workers", action="store_true", help="the workers' lines about your programs instead (errors, warnings)"
+    )
     profile = commands.add_parser("profile", add_help=False, help="(cell magic) profile the cell on the devices")
     profile.add_argument("logdir", help="the run directory (xprof --logdir / TensorBoard reads it)")
     profile.add_argument("--hosts", type=int, default=0, help="trace at most N hosts (default: all)")
@@ -213,6 +218,11 @@ class PathwaysMagics(Magics):
             f"wrote {len(timeline.events)} events on {len(timeline.devices)} device tracks to {path} "
             "(open it in https://ui.perfetto.dev or chrome://tracing)"
         )
+
+    def _logs(self, args) -> None:
+        text = self._session().logs(workers=args.workers)
+        what = "the workers' lines about this session's programs" if args.workers else "remote output"
+        print(text or f"no {what} yet", end="" if text else "\n")
 
     def _profile(self, args, cell: str):
         """Runs the cell inside ``pathways_nb.profile``; its result (the ``Profile``) shows what the devices did."""

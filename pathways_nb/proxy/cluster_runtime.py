@@ -39,6 +39,7 @@ from pathways_nb.core.storage import StorageRoot, default_root
 from pathways_nb.protocol.errors import InvalidRequest, RequestError, Unavailable, from_rpc_error
 from pathways_nb.protocol.layouts import LayoutBook
 from pathways_nb.proxy.cluster_session import ClusterSession
+from pathways_nb.proxy.connection_output import HostLineSink
 from pathways_nb.proxy.lease import Leases
 from pathways_nb.proxy.worker_link import WorkerLink, WorkerLost
 from pathways_nb.rpc import cluster_pb2 as pb
@@ -300,7 +301,9 @@ class ClusterRuntime:
 
     # -- sessions --------------------------------------------------------------------------
 
-    async def open_session(self, session_id: int, attributes: dict[str, Any], events: EventSink) -> ClusterSession:
+    async def open_session(
+        self, session_id: int, attributes: dict[str, Any], events: EventSink, output: HostLineSink | None = None
+    ) -> ClusterSession:
         """Allocates devices for a session (on the loop), waiting in the queue if the cluster is busy."""
         options = _session_options(attributes, self.allocation_timeout_s, f"{self.key}-s{session_id}")
         request = pb.AllocateRequest(
@@ -320,7 +323,7 @@ class ClusterRuntime:
             raise Unavailable(
                 f"the resource manager at {self.rm_address} ended the allocation before granting it"
             ) from None
-        session = ClusterSession(self, session_id, lease, events, options)
+        session = ClusterSession(self, session_id, lease, events, options, output)
         self._sessions.add(session)
         lease.hold(session_id)
         return session

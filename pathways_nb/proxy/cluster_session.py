@@ -45,6 +45,7 @@ from pathways_nb.protocol.errors import (
     as_request_error,
 )
 from pathways_nb.protocol.shardings import IfrtSharding
+from pathways_nb.proxy.connection_output import HostLineSink
 from pathways_nb.proxy.remote_arrays import (
     MultiHostArray,
     PartedArray,
@@ -74,10 +75,12 @@ class ClusterSession:
         lease: Lease,
         events: EventSink,
         options: SessionOptions,
+        output: HostLineSink | None = None,
     ):
         self.cluster = cluster
         self.options = options
         self.events = events
+        self.output = output  # what the session's code beside the devices writes (None: nowhere)
         self.session_id = session_id
         self.allocation = allocation = lease.granted
         self._lease = lease
@@ -188,6 +191,7 @@ class ClusterSession:
                 f"{self.cluster.key}-s{self.session_id}-{device.incarnation}",
                 self.cluster.loop,
                 self._worker_events,
+                on_output=self._worker_output,
                 credentials=self.cluster.credentials,
                 cause=lambda: self.cluster.down_reason(device.worker_id, device.incarnation),
             )
@@ -210,6 +214,11 @@ class ClusterSession:
             global_ids = [self._global_ids.get((link.worker_id, d), -1) for d in recorded.device_ids]
             recorded.device_ids[:] = [d for d in global_ids if d >= 0]
             self.events(recorded)
+
+    def _worker_output(self, link: WorkerLink, lines: list[pb.OutputLine]) -> None:
+        """Output a worker sent for this session: where it was written is that worker's island and host."""
+        if self.output is not None:
+            self.output(link.island, link.host_index, lines)
 
     def taken_in(self, worker_id: str) -> Pending | None:
         """Done once the worker has read every command this session sent it so far (None: no open stream)."""
@@ -658,7 +667,7 @@ class ClusterSession:
         """Starts or stops a trace of the resource manager (blocks); the stop returns it."""
         return self.cluster.profile_resource_manager(control)
 
-    def run_program(self, plan: nonxla.ProgramPlan, request: bytes, args: Sequence) -> list:
+    def run_program(self, plan: nonxla.ProgramPlan, request: bytes, args: Sequence, output_context: str = "") -> list:
         """Sends each host of ``plan`` its part on this session's stream to it, waits for all, assembles the results.
 
         Blocks (on the proxy's wait pool): a host that dies meanwhile fails it with DATA_LOSS naming the host.
@@ -687,6 +696,7 @@ class ClusterSession:
                 result_metas=run.metas,
                 device_ids=run.device_ids,
                 tenant=self.options.tenant,
+                context=output_context,
             )
             replies.append((run.link, run.link.request(pb.Command(run_program=command), "run_program")))
         for link, reply in replies:

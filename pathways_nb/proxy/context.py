@@ -12,6 +12,7 @@ from pathways_nb.core.events import EventLog
 from pathways_nb.core.runtime_api import ProgramInfo, Runtime
 from pathways_nb.protocol.errors import ResourceExhausted
 from pathways_nb.proxy.activities import Activities
+from pathways_nb.proxy.connection_output import ConnectionOutputs
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,8 @@ class ProxyContext:
         self.compile_cache = CompileCache(self.limits.compile_cache_entries)
         self.events = EventLog()
         self.activities = Activities()
+        # What each client connection's code beside the devices wrote, for that connection alone.
+        self.outputs = ConnectionOutputs()
 
     def close(self) -> None:
         self.runtime.close()

@@ -7,9 +7,11 @@ session sees every device and has its own event sink.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 
 from pathways_nb.core import nonxla, tuning
@@ -30,9 +32,11 @@ class LocalProxyRuntime:
         # Where non-XLA programs (profiles, checkpoints) write: this process is the only host.
         self.host = nonxla.HostContext(storage or StorageRoot(default_root()))
 
-    async def open_session(self, session_id: int, attributes: dict, events: EventSink) -> LocalSession:
+    async def open_session(
+        self, session_id: int, attributes: dict, events: EventSink, output: Callable | None = None
+    ) -> LocalSession:
         """Every session of a single-process server shares all its devices (at once)."""
-        return LocalSession(self.runtime, events, self.host)
+        return LocalSession(self.runtime, events, self.host, output)
 
     def serve_on(self, loop) -> None:
         """Nothing runs on the proxy's loop: the devices are this process's own."""
@@ -86,10 +90,13 @@ class LocalSession:
 
     proxy_is_host = True
 
-    def __init__(self, runtime: LocalRuntime, events: EventSink, host: nonxla.HostContext):
+    def __init__(
+        self, runtime: LocalRuntime, events: EventSink, host: nonxla.HostContext, output: Callable | None = None
+    ):
         self.runtime = runtime
         self.events = events
         self.host = host
+        self._output = output  # (island, host_index, lines): what the session's host halves write
         self.platform = runtime.platform
         self.platform_version = runtime.platform_version
         self.device_ids = runtime.device_ids
@@ -138,11 +145,13 @@ class LocalSession:
     def execute(self, program: Program, args: Sequence, keep: frozenset[int] = frozenset()) -> list:
         return self.runtime.execute(program, args, keep, timed=self.events)
 
-    def run_program(self, plan: nonxla.ProgramPlan, request: bytes, args: Sequence) -> list:
+    def run_program(self, plan: nonxla.ProgramPlan, request: bytes, args: Sequence, output_context: str = "") -> list:
         """The host half, here: this process is the only host, its device ids are the session's."""
         results = [nonxla.ResultSpec(spec.kind, spec.shape, spec.sharding) for spec in plan.outputs]
         kind = nonxla.lookup(plan.kind, plan.key)
-        return kind.run(request, self.runtime, [[value] for value in args], plan.host_device_ids, results, self.host)
+        output = self._output and functools.partial(self._output, self.host.island, self.host.host_index)
+        context = dataclasses.replace(self.host, output=output, output_context=output_context)
+        return kind.run(request, self.runtime, [[value] for value in args], plan.host_device_ids, results, context)
 
     def release(self) -> None:
         """Nothing to give back: the proxy deletes the session's arrays."""

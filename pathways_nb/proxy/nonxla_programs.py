@@ -130,6 +130,8 @@ def execute(session, loaded: NonXlaProgram, request, op_id):
     session.add_new_arrays(output_handles, outputs, f"the {len(outputs)} result(s) of {plan.name}")
     status = Pending() if options.fill_status else None
     execution = plan.execution()
+    # Where the client's calls come from now (its notebook cell): what this one writes is tagged with it.
+    output_context = session.output.context if session.output is not None else ""
     earlier = [
         record
         for d in plan.host_device_ids
@@ -156,7 +158,7 @@ def execute(session, loaded: NonXlaProgram, request, op_id):
                 execution.on_proxy()
             args = [record.live() for record in inputs]
             try:
-                return session.runtime.run_program(plan, execution.request, args)
+                return session.runtime.run_program(plan, execution.request, args, output_context)
             except RequestError:
                 if execution.undo is not None:
                     _undo(session, plan, execution.undo, args)

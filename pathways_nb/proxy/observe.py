@@ -1,4 +1,5 @@
-"""The proxy's observe service: the cluster as notebooks show it (devices, health, allocations, queue)."""
+"""The proxy's observe service: the cluster as notebooks show it (devices, health, allocations, queue), and
+what a client's own code beside the devices wrote (``proxy.connection_output``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathways_nb._version import __version__
 from pathways_nb.core import session_options, tuning
 from pathways_nb.core.host_profiler import XPLANE_SUFFIX, check_session_name, session_location
 from pathways_nb.protocol.errors import RequestError
+from pathways_nb.proxy.connection_output import ConnectionOutput
 from pathways_nb.proxy.context import ProxyContext
 from pathways_nb.proxy.service import IfrtProxyService
 from pathways_nb.rpc import cluster_pb2 as pb
@@ -49,6 +51,40 @@ class ObserveService(cluster_pb2_grpc.ObserveServicer):
                 if events:
                     yield pb.EventBatch(events=events)
             await asyncio.sleep(tuning.OBSERVE_WATCH_INTERVAL_S.value)
+
+    async def WatchOutput(self, request, context):
+        """The connection's lines after ``request.after``, then new ones, until its last session ends."""
+        output = await self._output_of(request.tenant, request.secret, context)
+        after = request.after
+        while True:
+            closed = output.closed
+            if output.latest > after:
+                lines = output.after(after)
+                after = lines.latest
+                yield lines
+            if closed:
+                return
+            await asyncio.sleep(tuning.OUTPUT_WATCH_INTERVAL_S.value)
+
+    async def GetOutput(self, request, context):
+        output = await self._output_of(request.tenant, request.secret, context)
+        return output.worker_lines() if request.workers else output.after(request.after)
+
+    async def SwitchOutputContext(self, request, context):
+        output = await self._output_of(request.tenant, request.secret, context)
+        output.switch(request.context)
+        return output.after(request.after)
+
+    async def _output_of(self, tenant: str, secret: str, context) -> ConnectionOutput:
+        """The output of the caller's own connection; refused unless ``tenant`` and ``secret`` name one."""
+        output = self.context.outputs.find(tenant, secret.encode())
+        if output is None:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"no connection of tenant {tenant!r} with that secret is open here: a client reads the output of "
+                "its own connection only, with the secret pathways_nb.connect sent (Session.secret)",
+            )
+        return output
 
     async def GetEvents(self, request, context):
         events, _latest = self.context.events.after(request.after, request.tenant)

@@ -67,6 +67,9 @@ class Session:
         # What the client sent as ClientConnectionOptions.initialization_data.
         self.init_attributes = init_attributes or {}
         self.events = context.events.sink(self.tenant)
+        # The output of the client connection this session belongs to (None: it sent no secret, and
+        # nobody could read it): what its code beside the devices writes, and the context of its calls.
+        self.output = context.outputs.open(self.tenant, self.secret)
         self.messages = schema.load()
         limits = context.limits
         self.host_buffers = HostBuffers(
@@ -105,7 +108,9 @@ class Session:
 
         async def allocate() -> DeviceSession:
             with self.context.activities.track("wait", "waiting for devices", self.tenant):
-                return await self.context.runtime.open_session(self.session_id, self.init_attributes, self.events)
+                output = self.output.add if self.output is not None else None
+                runtime = self.context.runtime
+                return await runtime.open_session(self.session_id, self.init_attributes, self.events, output)
 
         def opened(task: asyncio.Task) -> None:
             if task.cancelled():
@@ -328,6 +333,8 @@ class Session:
         del futures, arrays
         if self._devices is not None:
             self._devices.release()
+        if self.output is not None:
+            self.context.outputs.release(self.output)
         release_free_memory()
 
 

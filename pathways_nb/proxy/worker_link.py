@@ -65,8 +65,13 @@ class WorkerLink:
         on_events: Callable[[WorkerLink, list], None] | None = None,
         credentials: ClusterCredentials | None = None,
         cause: Callable[[], str] | None = None,
+        on_output: Callable[[WorkerLink, list], None] | None = None,
     ):
-        """``loop``: the running event loop the stream lives on (any thread may call the link)."""
+        """``loop``: the running event loop the stream lives on (any thread may call the link).
+
+        ``on_events`` and ``on_output`` get the events and the output lines the worker sends (output
+        before the replies of the same batch: a call's results are never ahead of what it wrote).
+        """
         self.worker_id = worker.worker_id
         self.address = worker.worker_address
         self.island = worker.island
@@ -85,6 +90,7 @@ class WorkerLink:
         # Why the worker went down, once the cluster knows (its launcher reports how the process ended).
         self._cause = cause
         self._on_events = on_events
+        self._on_output = on_output
         self._credentials = credentials or ClusterCredentials()
         # The worker's clock minus ours, as low as seen (network delay only makes it look larger).
         self.clock_offset = float("inf")
@@ -311,6 +317,8 @@ class WorkerLink:
             async for batch in self._call:
                 if batch.clock:
                     self.clock_offset = min(self.clock_offset, time.time() - batch.clock)
+                if batch.output and self._on_output is not None:
+                    self._on_output(self, list(batch.output))
                 for reply in batch.replies:
                     self._deliver(reply)
                 if batch.events and self._on_events is not None:

@@ -557,6 +557,21 @@ class ObserveStub:
                 request_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.ReadProfileRequest.SerializeToString,
                 response_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.ProfileFileChunk.FromString,
                 _registered_method=True)
+        self.WatchOutput = channel.unary_stream(
+                '/pathways_nb.v1.Observe/WatchOutput',
+                request_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.OutputRequest.SerializeToString,
+                response_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.OutputLines.FromString,
+                _registered_method=True)
+        self.GetOutput = channel.unary_unary(
+                '/pathways_nb.v1.Observe/GetOutput',
+                request_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.OutputRequest.SerializeToString,
+                response_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.OutputLines.FromString,
+                _registered_method=True)
+        self.SwitchOutputContext = channel.unary_unary(
+                '/pathways_nb.v1.Observe/SwitchOutputContext',
+                request_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.OutputContextRequest.SerializeToString,
+                response_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.OutputLines.FromString,
+                _registered_method=True)
 
 
 class ObserveServicer:
@@ -608,6 +623,30 @@ class ObserveServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchOutput(self, request, context):
+        """What the caller's own connection's code beside the devices wrote (colocated Python), as it comes:
+        the lines after `after`, then new ones. Refused unless tenant and secret name a connection.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetOutput(self, request, context):
+        """The connection's lines after `after` that the proxy still holds, now (or the workers' lines about
+        its programs, with `workers`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SwitchOutputContext(self, request, context):
+        """Tags the connection's later colocated calls with `context` (their output's OutputLine.context),
+        and returns its lines after `after`: a notebook calls it as each cell ends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ObserveServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -640,6 +679,21 @@ def add_ObserveServicer_to_server(servicer, server):
                     servicer.ReadProfile,
                     request_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.ReadProfileRequest.FromString,
                     response_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.ProfileFileChunk.SerializeToString,
+            ),
+            'WatchOutput': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchOutput,
+                    request_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.OutputRequest.FromString,
+                    response_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.OutputLines.SerializeToString,
+            ),
+            'GetOutput': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetOutput,
+                    request_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.OutputRequest.FromString,
+                    response_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.OutputLines.SerializeToString,
+            ),
+            'SwitchOutputContext': grpc.unary_unary_rpc_method_handler(
+                    servicer.SwitchOutputContext,
+                    request_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.OutputContextRequest.FromString,
+                    response_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.OutputLines.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -805,6 +859,87 @@ class Observe:
             '/pathways_nb.v1.Observe/ReadProfile',
             pathways__nb_dot_rpc_dot_cluster__pb2.ReadProfileRequest.SerializeToString,
             pathways__nb_dot_rpc_dot_cluster__pb2.ProfileFileChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchOutput(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pathways_nb.v1.Observe/WatchOutput',
+            pathways__nb_dot_rpc_dot_cluster__pb2.OutputRequest.SerializeToString,
+            pathways__nb_dot_rpc_dot_cluster__pb2.OutputLines.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetOutput(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pathways_nb.v1.Observe/GetOutput',
+            pathways__nb_dot_rpc_dot_cluster__pb2.OutputRequest.SerializeToString,
+            pathways__nb_dot_rpc_dot_cluster__pb2.OutputLines.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SwitchOutputContext(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pathways_nb.v1.Observe/SwitchOutputContext',
+            pathways__nb_dot_rpc_dot_cluster__pb2.OutputContextRequest.SerializeToString,
+            pathways__nb_dot_rpc_dot_cluster__pb2.OutputLines.FromString,
             options,
             channel_credentials,
             insecure,

@@ -318,7 +318,11 @@ class KernelSession:
     """A real Jupyter kernel driven through jupyter_client: run code, collect what it shows.
 
     ``run()`` returns the cell's outputs: stream text, display data, errors,
-    and the state of every widget the cell opened (by model id).
+    and the state of every widget the cell opened (by model id), and the cell's
+    message id (``msg_id``). Stream output that comes for a cell after it ran
+    (a thread it started printing, as a notebook shows under that cell) is in
+    ``late[msg_id]``; ``wait_for_late`` reads the kernel's output until a
+    condition on it holds.
     """
 
     def __init__(self, kernel_name: str = "pathways", env: dict[str, str] | None = None):
@@ -328,10 +332,11 @@ class KernelSession:
         environment.update(env or {})
         self.manager, self.client = jupyter_client.manager.start_new_kernel(kernel_name=kernel_name, env=environment)
         self.widgets: dict[str, dict] = {}
+        self.late: dict[str, dict[str, str]] = {}
 
     def run(self, code: str, timeout_s: float = 180.0) -> dict:
         message_id = self.client.execute(code)
-        result = {"stdout": "", "stderr": "", "data": [], "errors": [], "widgets": []}
+        result = {"stdout": "", "stderr": "", "data": [], "errors": [], "widgets": [], "msg_id": message_id}
         while True:
             message = self.client.get_iopub_msg(timeout=timeout_s)
             content = message["content"]
@@ -341,6 +346,7 @@ class KernelSession:
             elif kind == "comm_msg" and content["data"].get("method") == "update":
                 self.widgets.setdefault(content["comm_id"], {}).update(content["data"].get("state", {}))
             if message["parent_header"].get("msg_id") != message_id:
+                self._keep_late(message)
                 continue
             if kind == "status" and content["execution_state"] == "idle":
                 return result
@@ -353,6 +359,25 @@ class KernelSession:
                     result["widgets"].append(model)
             elif kind == "error":
                 result["errors"].append(f"{content['ename']}: {content['evalue']}")
+
+    def _keep_late(self, message: dict) -> None:
+        if message["msg_type"] == "stream":
+            late = self.late.setdefault(message["parent_header"].get("msg_id", ""), {"stdout": "", "stderr": ""})
+            late[message["content"]["name"]] += message["content"]["text"]
+
+    def wait_for_late(self, message_id: str, condition, timeout_s: float = 60.0) -> dict:
+        """Reads the kernel's output (while no cell runs) until ``condition(late output of message_id)`` holds."""
+        import queue
+
+        deadline = time.monotonic() + timeout_s
+        while not condition(self.late.get(message_id, {"stdout": "", "stderr": ""})):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the late output of {message_id} did not come: {self.late.get(message_id)}")
+            try:
+                self._keep_late(self.client.get_iopub_msg(timeout=1.0))
+            except queue.Empty:
+                pass
+        return self.late[message_id]
 
     def widget_state(self, model_id: str) -> dict:
         return self.widgets.get(model_id, {})

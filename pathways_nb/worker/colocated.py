@@ -96,7 +96,7 @@ class ColocatedPythonProgram(nonxla.ProgramKind):
             call = pb.ColocatedCall.FromString(request)
         except Exception as error:  # noqa: BLE001 - protobuf's DecodeError and friends
             raise InvalidRequest(f"a malformed colocated Python call ({error})") from None
-        return colocated.run(context.session, context.tenant, call, args, results)
+        return colocated.run(context, call, args, results)
 
 
 def _spec(spec: Any, device_ids: tuple[int, ...], what: str) -> nonxla.OutputSpec:
@@ -130,22 +130,22 @@ class ColocatedPython:
 
     def run(
         self,
-        session: str,
-        tenant: str,
+        context: nonxla.HostContext,
         call: pb.ColocatedCall,
         args: Sequence[Sequence[Any]],
         results: Sequence[nonxla.ResultSpec],
     ) -> list:
-        """Runs one call in the session's executor: ``args`` (per argument, this host's pieces of it, on its
-        colocated CPU devices) in; one value per entry of ``results`` out."""
+        """Runs one call in the executor of ``context``'s session: ``args`` (per argument, this host's pieces
+        of it, on its colocated CPU devices) in; one value per entry of ``results`` out. What it writes goes
+        to ``context.output``, tagged with ``context.output_context``."""
         if not self._cluster_ids:
             raise FailedPrecondition("this worker has not registered its colocated CPU devices yet; try again")
-        executor = self.host.executor(session, tenant, list(self._cluster_ids.values()))
+        executor = self.host.executor(context.session, context.tenant, list(self._cluster_ids.values()), context.output)
         versions = {"python": call.client_python, "jax": call.client_jax, "cloudpickle": call.client_cloudpickle}
         digest = hashlib.sha256(call.program).digest()
         expected = [ResultShape(r.kind, tuple(r.shape), r.sharding.shard_shape(tuple(r.shape))) for r in results]
         arguments = [self._shards(pieces) for pieces in args]
-        outputs = executor.run(call.name, digest, call.program, arguments, expected, versions)
+        outputs = executor.run(call.name, digest, call.program, arguments, expected, versions, context.output_context)
         return [self._value(output, result) for output, result in zip(outputs, results, strict=True)]
 
     def _shards(self, pieces: Sequence[Any]) -> ArrayShards:

@@ -3,17 +3,22 @@
 The worker never runs a tenant's Python: it asks its host's ``ColocatedHost`` for an executor the
 first time a session runs a colocated program, keeps that ``Executor`` call open for the
 session's life (ending it stops the executor), and sends the session's calls to the executor one
-at a time, in order. An executor that dies fails the call it was running with what the host saw
-(signal or exit status, its last output); the next call starts a new one. Nothing an executor
-does reaches the worker but its answers (parsed messages) and the files it names in its own
-directory, which the worker reads without mapping them.
+at a time, in order. What the executor writes comes on the host's call, bounded by the host
+(``launch.executor_output``); the worker hands it to the session's stream to the proxy, and answers
+a call only once the call's output is on its way (the host says when it has all of it), so that a
+client that waited for a call's results finds its output at the proxy. An executor that dies fails
+the call it was running with what the host saw (signal or exit status, its last output); the next
+call starts a new one. Nothing an executor does reaches the worker but its answers (parsed
+messages), the host's batches of its output, and the files it names in its own directory, which the
+worker reads without mapping them.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,14 +78,23 @@ class _Running:
     programs: set[bytes] = field(default_factory=set)  # digests of the programs it has loaded
     exit: pb.ExecutorExit | None = None
     ended: threading.Event = field(default_factory=threading.Event)
+    # The latest call whose output the host has sent (OutputBatch.calls_done), and who waits for it.
+    output_through: int = 0
+    output_arrived: threading.Condition = field(default_factory=threading.Condition)
 
     @property
     def directory(self) -> Path:
         return Path(self.started.directory)
 
 
+LineSink = Callable[[Sequence[pb.OutputLine]], None]
+
+
 class SessionExecutor:
-    """One session's executor on this host (``device_ids``: the cluster ids of the host's colocated CPU devices)."""
+    """One session's executor on this host (``device_ids``: the cluster ids of the host's colocated CPU devices).
+
+    What it writes goes to ``output`` (the session's stream to the proxy; None: nowhere).
+    """
 
     def __init__(
         self,
@@ -89,13 +103,16 @@ class SessionExecutor:
         tenant: str,
         device_ids: Sequence[int],
         describe_host: str,
+        output: LineSink | None,
     ):
         self._host = host
         self._request = pb.ExecutorRequest(session=session, tenant=tenant, device_ids=device_ids)
         self._describe_host = describe_host
+        self._output = output
         self._lock = threading.Lock()  # one call at a time: the session's order
         self._running: _Running | None = None
         self._closed = False
+        self._calls = itertools.count(1)
 
     def run(
         self,
@@ -105,10 +122,12 @@ class SessionExecutor:
         args: Sequence[ArrayShards],
         results: Sequence[ResultShape],
         client: dict[str, str],
+        context: str = "",
     ) -> list[ArrayShards]:
         """Runs one program on the executor (started if needed); its results, or a ``RequestError``.
 
-        Each result is checked against ``results`` before its bytes are read.
+        Each result is checked against ``results`` before its bytes are read. ``context``: the client's
+        output context of the call, which tags what the call writes.
         """
         with self._lock:
             if self._closed:
@@ -121,6 +140,8 @@ class SessionExecutor:
                 client_python=client.get("python", ""),
                 client_jax=client.get("jax", ""),
                 client_cloudpickle=client.get("cloudpickle", ""),
+                call=next(self._calls),
+                context=context,
             )
             owner = running.started.uid
             for arg in args:
@@ -132,6 +153,11 @@ class SessionExecutor:
             except grpc.RpcError as error:
                 raise self._lost(running, name, error) from None
             running.programs.add(digest)
+            with running.output_arrived:
+                running.output_arrived.wait_for(
+                    lambda: running.output_through >= call.call or running.ended.is_set(),
+                    tuning.OUTPUT_CALL_WAIT_S.value,
+                )
             if result.HasField("error"):
                 raise error_of(result.error)
             if len(result.results) != len(results):
@@ -177,14 +203,30 @@ class SessionExecutor:
         return running
 
     def _follow(self, running: _Running) -> None:
-        """Reads the host's events until the call ends: an ``exited`` one says how the executor died."""
+        """Reads the host's events until the call ends: its output, and an ``exited`` one says how the executor died."""
         try:
             for event in running.events:
-                if event.HasField("exited"):
+                if event.HasField("output"):
+                    self._arrived(running, event.output)
+                elif event.HasField("exited"):
                     running.exit = event.exited
         except grpc.RpcError as error:  # the host ended the call: the executor is gone (its exit said how, if it could)
             _LOGGER.info("the executor's host ended its call: %s", error.code().name)
-        running.ended.set()
+        with running.output_arrived:
+            running.ended.set()
+            running.output_arrived.notify_all()
+
+    def _arrived(self, running: _Running, batch: pb.OutputBatch) -> None:
+        """Hands a batch of the executor's output on; a call it completes may then be answered."""
+        if batch.lines and self._output is not None:
+            try:
+                self._output(list(batch.lines))
+            except Exception:  # (a session stream that just closed): the executor's later events still count
+                _LOGGER.exception("session %s: the executor's output could not be handed on", self._request.session)
+        if batch.calls_done:
+            with running.output_arrived:
+                running.output_through = max(running.output_through, *batch.calls_done)
+                running.output_arrived.notify_all()
 
     def _lost(self, running: _Running, name: str, error: grpc.RpcError) -> RequestError:
         """The error for a call whose executor stopped answering; the next call starts a new executor."""
@@ -226,13 +268,15 @@ class ColocatedHostLink:
         self._lock = threading.Lock()
         self._executors: dict[str, SessionExecutor] = {}
 
-    def executor(self, session: str, tenant: str, device_ids: Sequence[int]) -> SessionExecutor:
-        """The session's executor (made on first use; started at its first call)."""
+    def executor(
+        self, session: str, tenant: str, device_ids: Sequence[int], output: LineSink | None = None
+    ) -> SessionExecutor:
+        """The session's executor (made on first use; started at its first call), writing to ``output``."""
         with self._lock:
             executor = self._executors.get(session)
             if executor is None:
                 executor = self._executors[session] = SessionExecutor(
-                    self._stub, session, tenant, device_ids, self._describe_host
+                    self._stub, session, tenant, device_ids, self._describe_host, output
                 )
             return executor
 

@@ -48,6 +48,7 @@ class _Replies:
         self._lock = threading.Lock()
         self._items: list[pb.Reply] = []
         self._events: list[pb.Event] = []
+        self._output: list[pb.OutputLine] = []
         self._ready = asyncio.Event()
         self._closed = False
 
@@ -61,8 +62,16 @@ class _Replies:
     def put_event(self, recorded: pb.Event) -> None:
         with self._lock:
             self._events.append(recorded)
-            first = len(self._items) + len(self._events) == 1
+            first = len(self._items) + len(self._events) + len(self._output) == 1
         if first:
+            self._wake_later()
+
+    def put_output(self, lines: Sequence[pb.OutputLine]) -> None:
+        """Output of the session (bounded where it was written); not urgent, as events are not."""
+        with self._lock:
+            first = not (self._items or self._events or self._output)
+            self._output.extend(lines)
+        if first and lines:
             self._wake_later()
 
     def close(self) -> None:
@@ -82,8 +91,9 @@ class _Replies:
             with self._lock:
                 items, self._items = self._items, []
                 events, self._events = self._events, []
-            if items or events:
-                yield pb.ReplyBatch(replies=items, events=events, clock=time.time())
+                output, self._output = self._output, []
+            if items or events or output:
+                yield pb.ReplyBatch(replies=items, events=events, clock=time.time(), output=output)
             if self._closed:
                 return
 
@@ -140,6 +150,7 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
             self.share,
             self.outbox,
             self.host,
+            replies.put_output,
         )
         self.sessions[key] = session
         for waiting in self._early_pushes.pop(key, ()):

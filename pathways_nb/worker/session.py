@@ -21,6 +21,7 @@ from concurrent.futures import Executor
 import numpy as np
 
 from pathways_nb.core import nonxla, shared_memory, tuning
+from pathways_nb.core.colocated_output import WORKER
 from pathways_nb.core.convert import error_of, sharding_from_proto, status_of
 from pathways_nb.core.dataflow import ArrayRecord, Pending, run_after
 from pathways_nb.core.events import EventSink, event
@@ -78,6 +79,7 @@ class WorkerSession:
         share: FairShare | None = None,
         outbox: shared_memory.Outbox | None = None,
         host: nonxla.HostContext | None = None,
+        output: Callable[[Sequence[pb.OutputLine]], None] | None = None,
     ):
         self.key = key
         # This host's place and storage root, for non-XLA programs (None: it runs none).
@@ -89,6 +91,9 @@ class WorkerSession:
         self._reply = reply
         self._push = push
         self._events = events
+        # Where the session's output goes (its code beside the devices, and this worker's lines about its
+        # programs): to the proxy, for the client (None: nowhere).
+        self._output = output
         # Multi-host programs run in the island's order (``worker.gang``); host 0 announces it.
         self._order = order
         self._announce = announce
@@ -136,6 +141,15 @@ class WorkerSession:
             self.on_loop(lambda: done(result, error))
 
         self._pool.submit(run)
+
+    def _note(self, level: int, text: str, context: str = "", log_level: int = logging.INFO) -> None:
+        """A line about the session's programs: in this worker's log (at ``log_level``), and for its client
+        (``%pathways logs --workers``) at ``level``."""
+        _LOGGER.log(log_level, "session %s: %s", self.key, text)
+        if self._output is not None:
+            line = pb.OutputLine(stream=WORKER, text=text, level=level, logger=_LOGGER.name, context=context)
+            line.time = time.time()
+            self._output([line])
 
     # -- serving ---------------------------------------------------------------------------
 
@@ -238,6 +252,7 @@ class WorkerSession:
 
         def done(compiled, error):
             if error is not None:
+                self._note(logging.ERROR, f"compiling program {command.program} failed: {error.message}")
                 self._reply(pb.Reply(request=command.request, error=status_of(error)))
             else:
                 self._reply(pb.Reply(request=command.request, compiled=compiled))
@@ -348,8 +363,10 @@ class WorkerSession:
         try:
             values = self.runtime.execute(program, [a.value for a in args], keep, timed=self._events if timed else None)
         except Exception as error:  # noqa: BLE001 - the results hold it
+            failure = as_request_error(error)
+            self._note(logging.ERROR, f"running {program.name} failed: {failure.message}")
             for record in results:
-                record.fail(as_request_error(error))
+                record.fail(failure)
             return []
         for record, value in zip(results, values, strict=True):
             record.set(value)
@@ -515,7 +532,8 @@ class WorkerSession:
 
         def pushed(_result, error: RequestError | None) -> None:
             if error is not None:
-                _LOGGER.warning("session %s: sending array %d failed: %s", self.key, command.source, error.message)
+                text = f"sending array {command.source} failed: {error.message}"
+                self._note(logging.WARNING, text, log_level=logging.WARNING)
             if command.request:  # the proxy fails the peer's copy if it never comes
                 reply = pb.Reply(request=command.request, done=True)
                 if error is not None:
@@ -568,7 +586,7 @@ class WorkerSession:
             raise InvalidRequest(f"{len(command.results)} result ids for {len(command.result_metas)} result specs")
         results = [self._new(i, meta) for i, meta in zip(command.results, command.result_metas, strict=True)]
         specs = [nonxla.ResultSpec(r.kind, r.shape, r.sharding) for r in results]
-        context = self._host.for_tenant(command.tenant or self.key, self.key)
+        context = self._host.for_tenant(command.tenant or self.key, self.key, self._output, command.context)
 
         def run() -> list:
             pieces = [[record.live() for record in argument] for argument in args]
@@ -579,6 +597,7 @@ class WorkerSession:
 
         def done(values, error: RequestError | None) -> None:
             if error is not None:
+                self._note(logging.ERROR, f"{command.key} failed: {error.message}", command.context)
                 for record in results:
                     if not record.ready:
                         record.fail(error)
