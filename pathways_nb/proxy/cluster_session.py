@@ -728,13 +728,15 @@ class ClusterSession:
 
     def _program_output(self, spec: nonxla.OutputSpec, runs: dict[str, _HostRun]):
         """One output of a non-XLA program, as results of the hosts that hold its devices (as puts lay arrays out)."""
-        devices = [self._device(d) for d in spec.sharding.device_ids]
+        where = {d: self._device(d) for d in spec.sharding.device_ids}  # (host halves run on the islands' workers)
+        devices = list(where.values())
         holders = list(dict.fromkeys(d.worker_id for d in devices))
         missing = [w for w in holders if w not in runs]
         if missing:
             raise InvalidRequest(f"an output of the program lies on devices of {missing}, where it does not run")
         if len(holders) == 1 or len({d.island for d in devices}) == 1:
-            parts = [runs[w].result(spec.kind, spec.shape, spec.sharding, self._local(spec.sharding)) for w in holders]
+            local = self._local(spec.sharding, where)
+            parts = [runs[w].result(spec.kind, spec.shape, spec.sharding, local) for w in holders]
             if len(parts) == 1:
                 return parts[0]
             return MultiHostArray(sorted(parts, key=lambda p: p.link.host_index), spec.shape, spec.sharding)
@@ -742,7 +744,7 @@ class ClusterSession:
         shard_shape = spec.sharding.shard_shape(spec.shape)
         for device in devices:
             single = IfrtSharding((device.id,), spec.sharding.memory_kind)
-            singles.append(runs[device.worker_id].result(spec.kind, shard_shape, single, self._local(single)))
+            singles.append(runs[device.worker_id].result(spec.kind, shard_shape, single, self._local(single, where)))
         return ShardedRemoteArray(singles, spec.shape, spec.sharding)
 
     # -- ending ----------------------------------------------------------------------------
