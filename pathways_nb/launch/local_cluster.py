@@ -7,32 +7,34 @@ watches its parent), so no process is left behind. While it runs, a process
 that dies is noticed at once, reported with its cause and started again
 (``pathways_nb.launch.supervisor``): a crashed worker costs its island a few seconds,
 and the island serves again by itself.
+
+The same launcher lays a cluster out over the nodes of a Slurm allocation
+(``nodes=``, see ``pathways_nb.launch.slurm``): the resource manager and the proxy
+on the first node, one worker per node, each a job step that ``srun`` starts
+from here, supervised from here in the same way.
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import shutil
-import socket
 import tempfile
 import time
-import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
 
 from pathways_nb.core.keepalive import ONE_MACHINE_WORKER_TIMEOUT_S, Liveness
 from pathways_nb.core.security import ClusterCredentials, generate_token
-from pathways_nb.launch.processes import ChildServer, Status
+from pathways_nb.launch import live
+from pathways_nb.launch.processes import THIS_MACHINE, ChildServer, Node, Status
 from pathways_nb.launch.supervisor import ChildExit, Supervisor
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
 
 _LOGGER = logging.getLogger(__name__)
-
-_LIVE: weakref.WeakSet[LocalCluster] = weakref.WeakSet()
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,10 @@ class LocalCluster:
     ``colocated_python=True`` runs tenants' ``jax.experimental.colocated_python`` beside the
     devices (off by default; docs/colocated_python.md): each host gets a ``colocated-host`` that
     starts its sessions' executors with ``colocated_python_executable`` (default: this Python).
+
+    ``nodes`` (default: this machine for everything) places the processes on other machines: the
+    resource manager and the proxy on ``nodes[0]``, the worker of island ``i`` host ``h`` on
+    ``nodes[i * hosts_per_island + h]`` (``launch.slurm.Allocation.nodes``: a Slurm allocation's).
     """
 
     def __init__(
@@ -75,14 +81,29 @@ class LocalCluster:
         colocated_python_executable: str | None = None,
         storage_root: str | os.PathLike[str] | None = None,
         worker_timeout_s: float = ONE_MACHINE_WORKER_TIMEOUT_S,
+        nodes: Sequence[Node] | None = None,
+        directory: str | os.PathLike[str] | None = None,
+        on_end: Callable[[str], None] | None = None,
     ):
         """``storage_root``: where the workers and the proxy write profiles and checkpoints
         (``pathways_nb.core.storage``); default ``storage/`` in the cluster's own directory, which is
         kept after ``close()`` if anything was written there. ``worker_timeout_s``: within how long a
         worker that stopped answering (``SIGSTOP``) is found dead; a stall of less than five sixths of it
-        is never a death."""
+        is never a death. ``directory``: the cluster's own directory (default: a new temporary one,
+        removed at ``close()`` unless its storage holds something); one given is left in place.
+        ``on_end(why)``: called (from a supervising thread) if the cluster's machines are gone for good (its
+        Slurm job ended); nothing is restarted then, and ``ended`` says why."""
         self.spec = ClusterSpec(islands, hosts_per_island, devices_per_host, platform)
+        self.spec.check()
         Liveness.within(worker_timeout_s)  # one the resource manager would refuse fails here, before any process
+        self.nodes = list(nodes) if nodes else [THIS_MACHINE]
+        self._on_end = on_end
+        self.ended: str | None = None
+        if nodes and len(self.nodes) < islands * hosts_per_island:
+            raise ValueError(
+                f"{islands} island(s) of {hosts_per_island} host(s) need {islands * hosts_per_island} nodes "
+                f"(one worker per node), and there are {len(self.nodes)}: ask for more nodes, or fewer islands"
+            )
         self.worker_timeout_s = worker_timeout_s
         # User Python beside the devices (jax.experimental.colocated_python): off unless asked for.
         # Each host then gets a colocated host (``pathways-nb colocated-host``) that starts its
@@ -92,14 +113,14 @@ class LocalCluster:
         self.colocated_hosts: dict[tuple[int, int], ChildServer] = {}
         self._colocated_sockets: tempfile.TemporaryDirectory | None = None
         # The cluster's own directory (its storage root by default).
-        self.directory = tempfile.mkdtemp(prefix="pathways-nb-cluster-")
+        self._own_directory = directory is None
+        self.directory = os.path.abspath(directory or tempfile.mkdtemp(prefix="pathways-nb-cluster-"))
         self.storage_root = os.path.abspath(storage_root or os.path.join(self.directory, "storage"))
         # The cluster token its internal endpoints require (None: a fresh random one); children get it
         # in their environment, never on their command line.
         self.token = token or generate_token()
         self.credentials = ClusterCredentials(token=self.token)
         self._child_env = {**os.environ, **self.credentials.child_env()}
-        self.spec.check()
         self.port = port
         self.status = Status.created
         self.startup_s: float | None = None
@@ -120,7 +141,7 @@ class LocalCluster:
             return self
         started = time.monotonic()
         self.status = Status.starting
-        _LIVE.add(self)
+        live.add(self)
         spec = self.spec
         try:
             self.resource_manager = ChildServer(
@@ -129,6 +150,8 @@ class LocalCluster:
                     "resource-manager",
                     "--server_port",
                     "0",
+                    "--host",
+                    self.nodes[0].address,
                     "--instance_count",
                     str(spec.islands),
                     "--instance_type",
@@ -137,6 +160,7 @@ class LocalCluster:
                     f"{self.worker_timeout_s:g}",
                 ],
                 env=self._child_env,
+                node=self.nodes[0],
             )
             self.resource_manager.start(timeout_s)
             if self.colocated_python:
@@ -154,12 +178,15 @@ class LocalCluster:
                     "proxy",
                     "--server_port",
                     str(self.port),
+                    "--host",
+                    self.nodes[0].address,
                     "--resource_manager_address",
                     self.resource_manager.hostport,
                     "--storage_root",
                     self.storage_root,
                 ],
                 env=self._child_env,
+                node=self.nodes[0],
             )
             self.proxy.start(timeout_s)
             self._wait_for_workers(timeout_s)
@@ -172,8 +199,15 @@ class LocalCluster:
         self.status = Status.running
         return self
 
+    def node(self, island: int, host: int) -> Node:
+        """The machine the worker of ``island`` / ``host`` runs on."""
+        if len(self.nodes) == 1:
+            return self.nodes[0]
+        return self.nodes[island * self.spec.hosts_per_island + host]
+
     def _worker(self, island: int, host: int) -> ChildServer:
         assert self.resource_manager is not None
+        node = self.node(island, host)
         return ChildServer(
             f"worker-{island}-{host}",
             [
@@ -182,6 +216,8 @@ class LocalCluster:
                 self.resource_manager.hostport,
                 "--server_port",
                 "0",
+                "--host",
+                node.address,
                 "--island",
                 str(island),
                 "--host_index",
@@ -196,6 +232,7 @@ class LocalCluster:
                 *self._colocated_flags(island, host),
             ],
             env=self._child_env,
+            node=node,
         )
 
     def _start_colocated_hosts(self, timeout_s: float) -> None:
@@ -208,6 +245,7 @@ class LocalCluster:
                     f"colocated-host-{island}-{host}",
                     ["colocated-host", "--socket", self._colocated_socket(island, host), *executable],
                     env=self._child_env,
+                    node=self.node(island, host),
                 )
         for colocated in self.colocated_hosts.values():
             colocated.launch()
@@ -215,6 +253,11 @@ class LocalCluster:
             colocated.wait_started(timeout_s)
 
     def _colocated_socket(self, island: int, host: int) -> str:
+        """Where the colocated host of ``island`` / ``host`` listens: a directory of this user here, or one
+        the host makes on its node (it must be of that machine: a unix socket is)."""
+        node = self.node(island, host)
+        if not node.local:
+            return node.private_socket(f"colocated-{island}-{host}")
         assert self._colocated_sockets is not None
         return os.path.join(self._colocated_sockets.name, f"host-{island}-{host}.sock")
 
@@ -229,7 +272,8 @@ class LocalCluster:
         if hosts == 1:
             return []
         if island not in self._coordinators:
-            self._coordinators[island] = f"127.0.0.1:{_free_port()}"
+            leader = self.node(island, 0)
+            self._coordinators[island] = f"{leader.address}:{leader.free_port()}"
         return ["--hosts_per_island", str(hosts), "--coordinator_address", self._coordinators[island]]
 
     def _wait_for_workers(self, timeout_s: float) -> None:
@@ -260,10 +304,12 @@ class LocalCluster:
             self._colocated_sockets.cleanup()
         self._remove_directory_if_unused()
         self.status = Status.closed
-        _LIVE.discard(self)
+        live.discard(self)
 
     def _remove_directory_if_unused(self) -> None:
         """Removes the cluster's directory unless something was written to its storage root (kept for the user)."""
+        if not self._own_directory:
+            return
         storage = os.path.join(self.directory, "storage")
         if os.path.isdir(storage) and any(files for _dir, _subdirs, files in os.walk(storage)):
             _LOGGER.info("the cluster's storage root %s is kept (it holds what the cluster wrote)", storage)
@@ -284,6 +330,10 @@ class LocalCluster:
         if self.proxy is None or self.proxy.port is None:
             raise RuntimeError("the cluster is not running; call start()")
         return self.proxy.address
+
+    def serves(self, address: str) -> bool:
+        """Whether this cluster runs and its proxy is at ``address``."""
+        return self.status is Status.running and self.address == address
 
     @property
     def resource_manager_address(self) -> str:
@@ -331,13 +381,25 @@ class LocalCluster:
 
     def _supervise(self) -> None:
         """Restarts any process of the cluster that dies; the resource manager and the proxy keep their ports."""
-        self.supervisor = Supervisor(on_exit=self._report_exit)
+        self.supervisor = Supervisor(on_exit=self._child_ended)
         self.supervisor.watch(self.resource_manager, keep_port=True)
         for worker in self.workers.values():
             self.supervisor.watch(worker)
         for colocated in self.colocated_hosts.values():
             self.supervisor.watch(colocated)
         self.supervisor.watch(self.proxy, keep_port=True)
+
+    def _child_ended(self, child: ChildServer, ended: ChildExit) -> None:
+        """A process ended: reported (a worker) and started again, unless its machine is gone for good."""
+        gone = child.node.gone()
+        if gone is None:
+            self._report_exit(child, ended)
+            return
+        _LOGGER.warning("%s ended and is not started again: %s", child.name, gone)
+        self.supervisor.close()
+        self.ended = gone
+        if self._on_end is not None:
+            self._on_end(gone)
 
     def _report_exit(self, child: ChildServer, ended: ChildExit) -> None:
         """Tells the resource manager that a worker's process ended: its island is down at once, with the cause."""
@@ -352,8 +414,10 @@ class LocalCluster:
                     _LOGGER.warning("stopping %s: island %d forms again without the dead host", other.name, island)
                     self._stopped_with_island.add(other.process.pid)
                     other.process.kill()
+        # (A server elsewhere is not the process started here, srun: pid 0 stands for whichever registered.)
+        pid = ended.pid if child.node.local else 0
         report = pb.WorkerExitReport(
-            island=place[0], host_index=place[1], pid=ended.pid, reason=f"its process {ended.description}"
+            island=place[0], host_index=place[1], pid=pid, reason=f"its process {ended.description}"
         )
         try:
             with self.credentials.channel(self.resource_manager_address) as channel:
@@ -372,23 +436,3 @@ class LocalCluster:
             f"<LocalCluster {self.status.value}{where}: {spec.islands} island(s) x {spec.hosts_per_island} host(s) "
             f"x {spec.devices_per_host} {spec.platform} device(s)>"
         )
-
-
-def token_for(address: str) -> str | None:
-    """The token of the running ``LocalCluster`` of this process whose proxy is at ``address``, if any."""
-    for cluster in list(_LIVE):
-        if cluster.status is Status.running and cluster.address == address:
-            return cluster.token
-    return None
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-@atexit.register
-def _close_all() -> None:
-    for cluster in list(_LIVE):
-        cluster.close()
