@@ -390,10 +390,11 @@ class LocalCluster:
         self.supervisor.watch(self.proxy, keep_port=True)
 
     def _child_ended(self, child: ChildServer, ended: ChildExit) -> None:
-        """A process ended: reported (a worker) and started again, unless its machine is gone for good."""
+        """A process ended: reported (a worker; first, so that its cause reaches the resource manager before
+        its stream's end does) and started again, unless its machine is gone for good."""
+        self._report_exit(child, ended)
         gone = child.node.gone()
         if gone is None:
-            self._report_exit(child, ended)
             return
         _LOGGER.warning("%s ended and is not started again: %s", child.name, gone)
         self.supervisor.close()

@@ -30,7 +30,7 @@ def up(args: argparse.Namespace) -> int:
     output = args.output or (f"pathways-nb-{allocation.job_id}" if allocation else None)
     if allocation is not None:
         slurm.record_directory(allocation.job_id, output)  # slurm://JOBID finds it (and says it is starting)
-    islands = args.islands or (len(allocation.nodes) // args.hosts_per_island if allocation else DEFAULT_ISLANDS)
+    islands = args.islands if args.islands is not None else _islands_of(allocation, args.hosts_per_island)
     stops: list[StopRequest] = []  # (made once the cluster runs: until then, Ctrl-C interrupts its start)
     cluster = LocalCluster(
         islands=islands,
@@ -65,6 +65,19 @@ def up(args: argparse.Namespace) -> int:
         with contextlib.suppress(OSError):
             os.rmdir(output)
     return 0
+
+
+def _islands_of(allocation: slurm.Allocation | None, hosts_per_island: int) -> int:
+    """As many islands as the allocation's nodes hold (one worker per node), or ``DEFAULT_ISLANDS`` here."""
+    if allocation is None:
+        return DEFAULT_ISLANDS
+    nodes = len(allocation.nodes)
+    if hosts_per_island > nodes:
+        raise ValueError(
+            f"--hosts_per_island {hosts_per_island}: {allocation.describe()} are {nodes}, and each host is a "
+            "node; ask Slurm for more nodes, or for fewer hosts per island"
+        )
+    return nodes // max(hosts_per_island, 1)
 
 
 def _temporary_token_file(token: str, cleanup: contextlib.ExitStack) -> str:

@@ -4,11 +4,13 @@
 in a temporary directory of its own, with nodes ``n1``, ``n2``, ... each at its own
 loopback address (127.0.0.1, 127.0.0.2, ...) and its own slurmd port. Nothing in
 ``/etc`` is read or written: every command gets ``SLURM_CONF`` (``env()``), and the
-daemons run in the foreground as children of this process. ``stop()`` cancels every
-job, stops the daemons (munged last: a slurmstepd whose munged is gone loops on
-"Munge encode failed") and, as a last resort, kills any process still carrying this
-Slurm's ``SLURM_CONF``; nothing is left. ``/work/shared/design/SLURM.md``-style notes
-on why each setting is there are in ``_CONFIG``.
+daemons run in the foreground as children of this process (a daemonized one lingers as a
+zombie of PID 1 for a second or two). ``stop()`` cancels every job, stops the daemons
+(munged last: a slurmstepd whose munged is gone loops on "Munge encode failed" and its
+slurmd then ignores SIGTERM) and, as a last resort, kills any process still carrying this
+Slurm's ``SLURM_CONF`` (slurmstepd double-forks and its tasks start sessions of their own,
+so no process group reaches them); it returns those, which should be none. Why each
+setting is there is said beside it in ``_CONFIG``.
 """
 
 from __future__ import annotations
