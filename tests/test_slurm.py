@@ -168,18 +168,21 @@ def test_impossible_shapes_are_refused_saying_what_to_do(changes, message, tmp_p
 
 # -- a batch job of 2 islands ----------------------------------------------------------------
 
-SAME_AS_LOCAL = """
-    import json, sys, jax, jax.numpy as jnp, numpy as np, pathways_nb
-    pathways_nb.connect(sys.argv[1], timeout_s=60, progress=False)
-    program = jax.jit(lambda x: (jnp.tanh(x @ x.T) * 3).sum(axis=0))
-    x = np.arange(64, dtype=np.float32).reshape(8, 8) / 64
-    local = np.asarray(program(jax.device_put(x, jax.devices("cpu")[0])))
-    same = {}
-    for island in sorted({d.slice_index for d in jax.devices()}):
-        device = next(d for d in jax.devices() if d.slice_index == island)
-        same[island] = np.asarray(program(jax.device_put(x, device))).tobytes() == local.tobytes()
-    print(json.dumps({"hosts": sorted({d.host.rsplit(":", 1)[0] for d in jax.devices()}), "same": same}))
+# One program on every island, compared bitwise with this machine's JAX (both sides run the same XLA).
+ON_EVERY_ISLAND = """
+import json, jax, jax.numpy as jnp, numpy as np
+program = jax.jit(lambda x: (jnp.tanh(x @ x.T) * 3).sum(axis=0))
+x = np.arange(64, dtype=np.float32).reshape(8, 8) / 64
+local = np.asarray(program(jax.device_put(x, jax.devices("cpu")[0])))
+same = {}
+for island in sorted({d.slice_index for d in jax.devices()}):
+    device = next(d for d in jax.devices() if d.slice_index == island)
+    same[island] = np.asarray(program(jax.device_put(x, device))).tobytes() == local.tobytes()
+print(json.dumps({"hosts": sorted({d.host.rsplit(":", 1)[0] for d in jax.devices()}), "same": same}))
 """
+SAME_AS_LOCAL = (
+    "import sys, pathways_nb\npathways_nb.connect(sys.argv[1], timeout_s=60, progress=False)\n" + ON_EVERY_ISLAND
+)
 
 
 @pytest.fixture(scope="module")
@@ -374,7 +377,7 @@ def test_a_slurm_cluster_waits_in_the_queue_then_runs_one_program_across_two_nod
 # -- salloc, then pathways-nb up --slurm --------------------------------------------------------
 
 
-def test_up_inside_salloc_lays_the_cluster_over_the_allocation_and_scancel_ends_it(slurm, tmp_path):
+def test_up_inside_salloc_lays_the_cluster_over_the_allocation_and_scancel_ends_it(slurm, kernel, tmp_path):
     salloc = subprocess.Popen(
         ["salloc", "-N", "3", sys.executable, "-m", "pathways_nb.cli", "up", "--devices_per_host", "2", "--port", "0"],
         cwd=tmp_path,
@@ -394,8 +397,12 @@ def test_up_inside_salloc_lays_the_cluster_over_the_allocation_and_scancel_ends_
         (job_id,) = slurm.jobs()
         assert f"%pathways connect slurm://{job_id}" in text
         directory = tmp_path / f"pathways-nb-{job_id}"
-        out, _err = finish(python_process(SAME_AS_LOCAL, f"slurm://{job_id}", env=_client_env(slurm)))
-        report = json.loads(out.splitlines()[-1])
+        # A notebook attaches by the job's id (its comment names the directory of the address and the token).
+        out = kernel.run("%pathways connect slurm://999999")
+        assert "Slurm job 999999" in out["stderr"] + out["stdout"], out
+        assert not kernel.run(f"%pathways connect slurm://{job_id}")["errors"]
+        out = kernel.run(ON_EVERY_ISLAND + "%pathways disconnect")
+        report = json.loads(out["stdout"].splitlines()[0])
         assert report == {"hosts": ["127.0.0.1", "127.0.0.2", "127.0.0.3"], "same": {"0": True, "1": True, "2": True}}
         _cancel(slurm, job_id)
         assert salloc.wait(GONE_WITHIN_S) == 0

@@ -83,7 +83,13 @@ class Job:
 
     @classmethod
     def query(cls, job_id: str, timeout_s: float = 30.0) -> Job:
-        lines = run("scontrol", "-o", "show", "job", job_id, timeout_s=timeout_s).splitlines()
+        try:
+            lines = run("scontrol", "-o", "show", "job", job_id, timeout_s=timeout_s).splitlines()
+        except SlurmError as error:
+            raise SlurmError(
+                f"Slurm job {job_id} is unknown to Slurm here",
+                f"{error.detail}; check its id (squeue --me), and that it ended no longer ago than Slurm remembers",
+            ) from None
         found = fields(lines[0]) if lines else {}
         if "JobState" not in found:
             raise SlurmError(f"scontrol show job {job_id}", "said nothing of the job")
@@ -163,7 +169,7 @@ class SlurmNode(Node):
             job = Job.query(self.job_id)
         except SlurmError as error:
             # (A job that ended long ago is forgotten: "Invalid job id specified".)
-            return f"Slurm job {self.job_id} is over ({error.detail})" if "Invalid job id" in error.detail else None
+            return f"Slurm job {self.job_id} is over ({error.detail})" if "Invalid job id" in str(error) else None
         return None if job.state == "RUNNING" else f"Slurm job {self.job_id} is {job.describe()}"
 
     def private_socket(self, name: str) -> str:
