@@ -187,6 +187,8 @@ def _deploy_slurm(args: argparse.Namespace) -> int:
         time=args.time,
         colocated_python=args.colocated_python,
         storage_root=args.storage_root,
+        token_file=args.token_file,
+        tls=security.TlsFiles.of(args.tls_cert, args.tls_key, args.tls_ca),
     )
     path = slurm.write(deployment, args.output)
     print(f"wrote {path}\nnext: sbatch {path}, then %pathways connect slurm://JOBID (see docs/slurm.md)")
@@ -241,6 +243,7 @@ def _add_deploy_slurm(targets, common: argparse.ArgumentParser) -> None:
     slurm.add_argument(
         "--output", required=True, help="directory for pathways.sbatch, the job's output, its address and token"
     )
+    security.add_arguments(slurm, serve_tls=True, call_tls=True)
     slurm.set_defaults(run=_deploy_slurm)
 
 
@@ -425,7 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="write the cluster's address (DIR/address) and token (DIR/token, mode 0600) into this directory "
         "once it serves, removed when it stops (default with --slurm: ./pathways-nb-JOBID)",
     )
-    security.add_arguments(up, serve_tls=False, call_tls=False)
+    security.add_arguments(up, serve_tls=True, call_tls=True)
     up.set_defaults(run=_up)
 
     deploy = commands.add_parser("deploy", parents=[common], help="write what runs a cluster on other machines")

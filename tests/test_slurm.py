@@ -20,7 +20,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pathways_nb.cli import main
 from pathways_nb.client.observe import Observer
@@ -28,6 +30,7 @@ from pathways_nb.deploy import slurm as deploy_slurm
 from pathways_nb.launch import connection_files
 from pathways_nb.testing import KernelSession, finish, python_process
 from pathways_nb.testing.slurm import LocalSlurm, unavailable
+from pathways_nb.testing.tls import certificates
 
 # A job's cluster starts in 10-30 s on a busy 2-core machine (each server imports jax).
 START_TIMEOUT_S = 240
@@ -154,6 +157,7 @@ def test_the_script_is_valid_bash_that_asks_slurm_for_one_node_per_host(flags, t
         # What an #SBATCH line cannot hold.
         ({"--partition": "gpu batch"}, "cannot go on an #SBATCH line"),
         ({"--gpus_per_node": "-1"}, "use 0 (CPU workers) or more"),
+        ({"--tls_cert": "cert.pem", "--tls_key": "key.pem"}, "--tls_ca go together for a whole cluster"),
     ],
 )
 def test_impossible_shapes_are_refused_saying_what_to_do(changes, message, tmp_path, capsys):
@@ -377,9 +381,30 @@ def test_a_slurm_cluster_waits_in_the_queue_then_runs_one_program_across_two_nod
 # -- salloc, then pathways-nb up --slurm --------------------------------------------------------
 
 
+def _serves_only_tls(address: str, ca: bytes) -> bool:
+    """Whether ``address`` answers a health check over TLS (trusting ``ca``) and refuses one in plaintext."""
+
+    def healthy(channel: grpc.Channel) -> bool:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    with (
+        grpc.insecure_channel(address) as plaintext,
+        grpc.secure_channel(address, grpc.ssl_channel_credentials(ca)) as secured,
+    ):
+        return healthy(secured) and not healthy(plaintext)
+
+
 def test_up_inside_salloc_lays_the_cluster_over_the_allocation_and_scancel_ends_it(slurm, kernel, tmp_path):
+    """With TLS between its nodes: the certificate names the three nodes' addresses."""
+    pem = certificates(tmp_path, addresses=slurm.node_addresses.values())
+    tls = ["--tls_cert", pem["cert"], "--tls_key", pem["key"], "--tls_ca", pem["ca"]]
+    up = [sys.executable, "-m", "pathways_nb.cli", "up", "--devices_per_host", "2", "--port", "0", *tls]
     salloc = subprocess.Popen(
-        ["salloc", "-N", "3", sys.executable, "-m", "pathways_nb.cli", "up", "--devices_per_host", "2", "--port", "0"],
+        ["salloc", "-N", "3", *up],
         cwd=tmp_path,
         env=slurm.env(),
         stdout=subprocess.PIPE,
@@ -404,6 +429,15 @@ def test_up_inside_salloc_lays_the_cluster_over_the_allocation_and_scancel_ends_
         out = kernel.run(ON_EVERY_ISLAND + "%pathways disconnect")
         report = json.loads(out["stdout"].splitlines()[0])
         assert report == {"hosts": ["127.0.0.1", "127.0.0.2", "127.0.0.3"], "same": {"0": True, "1": True, "2": True}}
+        # The workers serve only TLS (the proxy's own port stays plaintext: the stock client speaks only that).
+        address, token = connection_files.read(directory / connection_files.ADDRESS_FILE)
+        observer = Observer(address, token)
+        try:
+            workers = observer.state().workers
+        finally:
+            observer.close()
+        ca = pathlib.Path(pem["ca"]).read_bytes()
+        assert len(workers) == 3 and all(_serves_only_tls(w.address, ca) for w in workers), workers
         _cancel(slurm, job_id)
         assert salloc.wait(GONE_WITHIN_S) == 0
         assert not directory.exists()  # its address and token went with it, then the directory it made

@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from pathways_nb.core.security import TlsFiles
 from pathways_nb.deploy.slurm import OUTPUT_FILE, SCRIPT_FILE, SlurmDeployment, write
 from pathways_nb.errors import SlurmError
 from pathways_nb.launch import connection_files, live, slurm
@@ -39,7 +40,9 @@ class SlurmCluster:
 
     The keyword arguments are ``pathways-nb deploy slurm``'s flags; ``sbatch_options`` adds
     ``#SBATCH`` lines (``["--account=ml", "--qos=high"]``) and ``setup`` shell lines run before
-    the cluster starts (``["module load cuda/12.4"]``). ``directory`` holds the script, the job's
+    the cluster starts (``["module load cuda/12.4"]``). ``tls_cert``, ``tls_key`` and ``tls_ca`` (PEM files
+    every node reads; the certificate names every node's address) make the servers talk TLS between
+    nodes (docs/slurm.md). ``directory`` holds the script, the job's
     output, and its address and token files: every node and this machine must see it (default: a
     new directory in the current one, removed at ``close()``). ``timeout_s``: how long ``start()``
     waits for the job to serve (None: as long as it takes; the queue decides).
@@ -59,6 +62,9 @@ class SlurmCluster:
         job_name: str = "pathways-nb",
         sbatch_options: Sequence[str] = (),
         setup: Sequence[str] = (),
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        tls_ca: str | None = None,
         directory: str | os.PathLike[str] | None = None,
         start: bool = True,
         timeout_s: float | None = None,
@@ -76,6 +82,7 @@ class SlurmCluster:
             job_name=job_name,
             sbatch_options=tuple(sbatch_options),
             setup=tuple(setup),
+            tls=TlsFiles.of(tls_cert, tls_key, tls_ca),
         )
         self._own_directory = directory is None
         self.directory = Path(directory or tempfile.mkdtemp(prefix="pathways-nb-slurm-", dir=os.getcwd())).absolute()

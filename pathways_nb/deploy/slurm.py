@@ -19,6 +19,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pathways_nb.core.security import TlsFiles
 from pathways_nb.deploy.accelerators import ACCELERATORS, Accelerator, check_shape, gpus
 from pathways_nb.launch import connection_files
 
@@ -48,6 +49,9 @@ class SlurmDeployment:
     setup: Sequence[str] = ()
     # The Python that runs pathways-nb in the job (every node must have it at this path).
     python: str = sys.executable
+    # The cluster token's file (default: a fresh token per job), and TLS between the job's servers.
+    token_file: str | None = None
+    tls: TlsFiles | None = None
 
     def __post_init__(self) -> None:
         if self.gpus_per_node < 0:
@@ -87,6 +91,10 @@ class SlurmDeployment:
             flags.append("--colocated_python")
         if self.storage_root is not None:
             flags.append(f"--storage_root {shlex.quote(self.storage_root)}")
+        if self.token_file is not None:
+            flags.append(f"--token_file {shlex.quote(self.token_file)}")
+        if self.tls is not None:
+            flags.append(shlex.join(self.tls.serving() + self.tls.calling()))
         return "pathways-nb deploy slurm " + " ".join([*flags, f"--output {shlex.quote(output)}"])
 
     def up_command(self, output: str) -> list[str]:
@@ -105,6 +113,8 @@ class SlurmDeployment:
             f"--output={output}",
             *(["--colocated_python"] if self.colocated_python else []),
             *([f"--storage_root={self.storage_root}"] if self.storage_root is not None else []),
+            *([f"--token_file={os.path.abspath(self.token_file)}"] if self.token_file is not None else []),
+            *(self.tls.serving() + self.tls.calling() if self.tls is not None else []),
         ]
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import grpc
 
 from pathways_nb.core.keepalive import ONE_MACHINE_WORKER_TIMEOUT_S, Liveness
-from pathways_nb.core.security import ClusterCredentials, generate_token
+from pathways_nb.core.security import ClusterCredentials, TlsFiles, generate_token
 from pathways_nb.launch import live
 from pathways_nb.launch.processes import THIS_MACHINE, ChildServer, Node, Status
 from pathways_nb.launch.supervisor import ChildExit, Supervisor
@@ -84,6 +84,7 @@ class LocalCluster:
         nodes: Sequence[Node] | None = None,
         directory: str | os.PathLike[str] | None = None,
         on_end: Callable[[str], None] | None = None,
+        tls: TlsFiles | None = None,
     ):
         """``storage_root``: where the workers and the proxy write profiles and checkpoints
         (``pathways_nb.core.storage``); default ``storage/`` in the cluster's own directory, which is
@@ -92,7 +93,9 @@ class LocalCluster:
         is never a death. ``directory``: the cluster's own directory (default: a new temporary one,
         removed at ``close()`` unless its storage holds something); one given is left in place.
         ``on_end(why)``: called (from a supervising thread) if the cluster's machines are gone for good (its
-        Slurm job ended); nothing is restarted then, and ``ended`` says why."""
+        Slurm job ended); nothing is restarted then, and ``ended`` says why. ``tls``: the resource manager
+        and the workers serve TLS, and the workers, the proxy and this launcher call them over it (for
+        clusters whose traffic crosses a network; the proxy's own port stays plaintext)."""
         self.spec = ClusterSpec(islands, hosts_per_island, devices_per_host, platform)
         self.spec.check()
         Liveness.within(worker_timeout_s)  # one the resource manager would refuse fails here, before any process
@@ -119,7 +122,8 @@ class LocalCluster:
         # The cluster token its internal endpoints require (None: a fresh random one); children get it
         # in their environment, never on their command line.
         self.token = token or generate_token()
-        self.credentials = ClusterCredentials(token=self.token)
+        self.tls = tls
+        self.credentials = tls.credentials(self.token) if tls else ClusterCredentials(token=self.token)
         self._child_env = {**os.environ, **self.credentials.child_env()}
         self.port = port
         self.status = Status.created
@@ -158,6 +162,7 @@ class LocalCluster:
                     f"{spec.platform}:{spec.hosts_per_island}x{spec.devices_per_host}",
                     "--worker_timeout",
                     f"{self.worker_timeout_s:g}",
+                    *(self.tls.serving() if self.tls else []),
                 ],
                 env=self._child_env,
                 node=self.nodes[0],
@@ -184,6 +189,7 @@ class LocalCluster:
                     self.resource_manager.hostport,
                     "--storage_root",
                     self.storage_root,
+                    *(self.tls.calling() if self.tls else []),
                 ],
                 env=self._child_env,
                 node=self.nodes[0],
@@ -230,6 +236,7 @@ class LocalCluster:
                 self.storage_root,
                 *self._island_flags(island),
                 *self._colocated_flags(island, host),
+                *([*self.tls.serving(), *self.tls.calling()] if self.tls else []),
             ],
             env=self._child_env,
             node=node,

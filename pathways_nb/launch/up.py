@@ -46,6 +46,7 @@ def up(args: argparse.Namespace) -> int:
         nodes=allocation.nodes if allocation else None,
         directory=output,
         on_end=lambda _why: stops and stops[0].request(),  # the Slurm job ended: so does this launcher
+        tls=security.TlsFiles.of(args.tls_cert, args.tls_key, args.tls_ca),
     )
     with contextlib.ExitStack() as cleanup:
         cleanup.callback(cluster.close)
