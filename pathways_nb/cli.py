@@ -239,7 +239,12 @@ def _add_deploy_slurm(targets, common: argparse.ArgumentParser) -> None:
         help="run tenants' jax.experimental.colocated_python beside the devices (CPU workers; "
         "docs/colocated_python.md)",
     )
-    _add_storage_root(slurm, "the workers and the proxy write profiles and checkpoints (every node must see it)")
+    slurm.add_argument(
+        "--storage_root",
+        default=None,
+        help="directory every node sees, where the workers and the proxy write profiles and checkpoints "
+        "(gs://BUCKET/PATH is BUCKET/PATH there); default: storage/ in --output",
+    )
     slurm.add_argument(
         "--output", required=True, help="directory for pathways.sbatch, the job's output, its address and token"
     )
@@ -382,7 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
     security.add_arguments(colocated, serve_tls=False, call_tls=False)
     colocated.set_defaults(run=_serve_colocated_host)
 
-    up = commands.add_parser("up", parents=[common], help="start a whole cluster on this machine (Ctrl-C stops it)")
+    up = commands.add_parser(
+        "up", parents=[common], help="start a whole cluster here, or over a Slurm allocation (Ctrl-C stops it)"
+    )
     up.add_argument(
         "--islands", type=int, default=None, help="number of islands (default 2; with --slurm: as many as nodes hold)"
     )
