@@ -1,8 +1,8 @@
 # Two entry points, each doing its own set-up on a fresh machine:
 #   make quickstart   run the quickstart notebook on a local cluster (no cloud account)
 #   make test         run the test suite (installs what it needs: packages, the compatibility matrix's JAX
-#                     clients and jax 0.12 server on Python 3.12, Chromium)
-# What pip cannot install (Python 3.12, Chromium from apt as root) is made where it can be; where it cannot, make says
+#                     clients and jax 0.12 server on Python 3.12, Chromium, Slurm)
+# What pip cannot install (Python 3.12, Chromium and Slurm from apt as root) is made where it can be; where it cannot, make says
 # in one line what to install and the tests that need it skip, saying the same. REQUIRE_ALL=1 (CI's .ci/run) makes a
 # missing part an error instead.
 
@@ -27,7 +27,7 @@ unavailable = { echo "make: $(1)$(if $(REQUIRE_ALL), (an error: REQUIRE_ALL is s
 apt_install = test "$$(id -u)" = 0 && command -v apt-get >/dev/null && apt-get update -qq && \
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(1)
 
-.PHONY: quickstart test lint docs install chromium iproute2 clean compat-venvs no-python312
+.PHONY: quickstart test lint docs install chromium iproute2 slurm clean compat-venvs no-python312
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -78,7 +78,16 @@ iproute2:
 	@command -v ip >/dev/null || ($(call apt_install,iproute2)) || \
 		echo "make: no iproute2: tests/test_netns.py will skip; install it (as root: apt-get install iproute2)" >&2
 
-test: install chromium iproute2 compat-venvs
+# tests/test_slurm.py runs a real Slurm (Debian's slurmctld, slurmd and munge, 22.05) with three emulated nodes on
+# this machine, started and stopped by the tests themselves (pathways_nb/testing/slurm.py); no daemon is left running.
+SLURM_PACKAGES := slurmctld slurmd slurm-client munge
+slurm:
+	@(command -v slurmctld && command -v slurmd && command -v srun && command -v munged) >/dev/null || \
+		($(call apt_install,--no-install-recommends $(SLURM_PACKAGES))) || \
+		$(call unavailable,no Slurm: tests/test_slurm.py will skip; install it (as root: apt-get install \
+--no-install-recommends $(SLURM_PACKAGES)))
+
+test: install chromium iproute2 slurm compat-venvs
 	PATHWAYS_OLD_CLIENT_PYTHON=$(abspath $(OLD_CLIENT_VENV))/bin/python \
 	PATHWAYS_JAX09_PYTHON=$(abspath $(JAX09_CLIENT_VENV))/bin/python \
 	PATHWAYS_PY312_PYTHON=$(if $(filter True,$(HAVE_PY312)),$(abspath $(PY312_VENV))/bin/python) \

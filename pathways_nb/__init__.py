@@ -21,6 +21,7 @@ from pathways_nb.errors import ConnectionFailed, PathwaysError
 if TYPE_CHECKING:
     from pathways_nb.client.connection import Session, connect, current, disconnect
     from pathways_nb.client.profiles import profile
+    from pathways_nb.client.slurm_cluster import SlurmCluster
     from pathways_nb.launch.local_cluster import LocalCluster
 
 # Public name -> the module that defines it.
@@ -30,6 +31,7 @@ _LAZY = {
     "current": "pathways_nb.client.connection",
     "disconnect": "pathways_nb.client.connection",
     "LocalCluster": "pathways_nb.launch.local_cluster",
+    "SlurmCluster": "pathways_nb.client.slurm_cluster",
     "profile": "pathways_nb.client.profiles",
 }
 
@@ -59,6 +61,7 @@ __all__ = [
     "LocalCluster",
     "PathwaysError",
     "Session",
+    "SlurmCluster",
     "__version__",
     "connect",
     "current",

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -53,7 +52,16 @@ def _serve_proxy(args: argparse.Namespace) -> int:
         session_host_buffer_bytes=_memory_share(args.session_host_buffer_bytes, 4),
         session_device_bytes=_memory_share(args.session_device_bytes, 2 if serving_cpu else 0),
     )
-    server = ProxyServer(runtime, port=args.server_port, host=args.host, limits=limits, credentials=credentials)
+    from pathways_nb.launch.slurm import job_end_reason
+
+    server = ProxyServer(
+        runtime,
+        port=args.server_port,
+        host=args.host,
+        limits=limits,
+        credentials=credentials,
+        stop_reason=job_end_reason,  # inside a Slurm job that ends, its clients are told so
+    )
     return _serve(server, f"pathways-nb proxy serving {server.address} with {serving}", started, args.port_file)
 
 
@@ -186,55 +194,9 @@ def _serve_colocated_host(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    import tempfile
+    from pathways_nb.launch.up import up
 
-    from pathways_nb.launch.local_cluster import LocalCluster
-    from pathways_nb.launch.processes import StopRequest
-
-    cluster = LocalCluster(
-        islands=args.islands,
-        hosts_per_island=args.hosts_per_island,
-        devices_per_host=args.devices_per_host,
-        port=args.server_port,
-        platform=args.platform,
-        start=False,
-        token=security.ClusterCredentials.from_args(args).token,
-        colocated_python=args.colocated_python,
-        colocated_python_executable=args.colocated_python_executable,
-        storage_root=args.storage_root,
-        worker_timeout_s=args.worker_timeout,
-        log_level=args.log_level,
-        keep_logs=args.keep_logs or None,
-    )
-    token_directory = None
-    try:
-        cluster.start()
-        token_file = args.token_file
-        if token_file is None:  # tell the user where the token is, never the token itself
-            token_directory = tempfile.TemporaryDirectory(prefix="pathways-nb-token-")
-            token_file = os.path.join(token_directory.name, "token")
-            security.write_token_file(token_file, cluster.token)
-        stop = StopRequest()
-        spec = cluster.spec
-        logs = ", ".join(os.path.basename(path) for path in cluster.log_paths.values())
-        print(
-            f"pathways-nb cluster serving {cluster.address}: {spec.islands} island(s) x {spec.hosts_per_island} "
-            f"host(s) x {spec.devices_per_host} {spec.platform} device(s), started in {cluster.startup_s:.1f} s\n"
-            f"  connect with: pathways_nb.connect({cluster.address!r})\n"
-            f"  or: JAX_PLATFORMS=proxy JAX_BACKEND_TARGET={cluster.address} python ...\n"
-            f"  the cluster views need its token: export {security.TOKEN_ENV}=$(cat {token_file})\n"
-            f"  profiles and checkpoints (gs://BUCKET/PATH) are written under {cluster.storage_root}\n"
-            f"  its processes log ({args.log_level}) to {cluster.log_directory}/: {logs}\n"
-            "    (pathways-nb logs [--follow] shows them; kept if the run fails)\n"
-            "  Ctrl-C stops it.",
-            flush=True,
-        )
-        stop.wait()
-    finally:
-        cluster.close()
-        if token_directory is not None:
-            token_directory.cleanup()
-    return 0
+    return up(args)
 
 
 def _logs(args: argparse.Namespace) -> int:
@@ -275,17 +237,36 @@ def _deploy_k8s(args: argparse.Namespace) -> int:
     return 0
 
 
+def _deploy_slurm(args: argparse.Namespace) -> int:
+    from pathways_nb.deploy import slurm
+
+    deployment = slurm.SlurmDeployment(
+        islands=args.islands,
+        hosts_per_island=args.hosts_per_island,
+        devices_per_host=args.devices_per_host,
+        gpus_per_node=args.gpus_per_node,
+        partition=args.partition,
+        time=args.time,
+        colocated_python=args.colocated_python,
+        storage_root=args.storage_root,
+        token_file=args.token_file,
+        tls=security.TlsFiles.of(args.tls_cert, args.tls_key, args.tls_ca),
+    )
+    path = slurm.write(deployment, args.output)
+    print(f"wrote {path}\nnext: sbatch {path}, then %pathways connect slurm://JOBID (see docs/slurm.md)")
+    return 0
+
+
 def _serve(server, message: str, started: float, port_file: str | None, stop=None) -> int:
     """Announces a started server, and stops it on SIGINT/SIGTERM, when its launcher dies, or when it fails
     (``stop.fail``: then the process exits with 1)."""
-    from pathways_nb.launch.processes import StopRequest, exit_with_parent
+    from pathways_nb.launch.processes import StopRequest, announce_port, exit_with_parent
 
     stop = stop or StopRequest()
     exit_with_parent(stop.request)
     print(f"{message} (started in {time.monotonic() - started:.1f} s)", flush=True)
     if port_file:
-        with open(port_file, "w") as f:
-            f.write(str(server.port))
+        announce_port(port_file, server.port)
     logging.getLogger("pathways_nb").info("stopping %s", stop.wait())
     server.stop()
     return 1 if stop.failure is not None else 0
@@ -301,6 +282,37 @@ def _add_storage_root(parser: argparse.ArgumentParser, what: str) -> None:
         help=f"directory {what} under; a client's gs://BUCKET/PATH is BUCKET/PATH there, and nothing is "
         "written outside it (default: $TMPDIR/pathways-nb-$USER/storage)",
     )
+
+
+def _add_deploy_slurm(targets, common: argparse.ArgumentParser) -> None:
+    slurm = targets.add_parser(
+        "slurm", parents=[common], help="Slurm: a batch script that runs the cluster as steps of one job"
+    )
+    slurm.add_argument("--islands", type=int, required=True, help="number of islands")
+    slurm.add_argument("--hosts_per_island", type=int, required=True, help="hosts (nodes) per island")
+    slurm.add_argument("--devices_per_host", type=int, required=True, help="devices per host (its GPUs, with GPUs)")
+    slurm.add_argument(
+        "--gpus_per_node", type=int, default=0, help="GPUs per node (--gres=gpu:G, CUDA workers); default 0: CPU"
+    )
+    slurm.add_argument("--partition", default=None, help="the partition to run in (default: Slurm's)")
+    slurm.add_argument("--time", default=None, help="the job's time limit, e.g. 2:00:00 (default: the partition's)")
+    slurm.add_argument(
+        "--colocated_python",
+        action="store_true",
+        help="run tenants' jax.experimental.colocated_python beside the devices (CPU workers; "
+        "docs/colocated_python.md)",
+    )
+    slurm.add_argument(
+        "--storage_root",
+        default=None,
+        help="directory every node sees, where the workers and the proxy write profiles and checkpoints "
+        "(gs://BUCKET/PATH is BUCKET/PATH there); default: storage/ in --output",
+    )
+    slurm.add_argument(
+        "--output", required=True, help="directory for pathways.sbatch, the job's output, its address and token"
+    )
+    security.add_arguments(slurm, serve_tls=True, call_tls=True)
+    slurm.set_defaults(run=_deploy_slurm)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -447,8 +459,12 @@ def build_parser() -> argparse.ArgumentParser:
     security.add_arguments(colocated, serve_tls=False, call_tls=False)
     colocated.set_defaults(run=_serve_colocated_host)
 
-    up = commands.add_parser("up", parents=[common], help="start a whole cluster on this machine (Ctrl-C stops it)")
-    up.add_argument("--islands", type=int, default=2, help="number of islands")
+    up = commands.add_parser(
+        "up", parents=[common], help="start a whole cluster here, or over a Slurm allocation (Ctrl-C stops it)"
+    )
+    up.add_argument(
+        "--islands", type=int, default=None, help="number of islands (default 2; with --slurm: as many as nodes hold)"
+    )
     up.add_argument("--hosts_per_island", type=int, default=1, help="hosts per island")
     up.add_argument("--devices_per_host", type=int, default=4, help="devices per host")
     up.add_argument("--server_port", type=int, default=29000, help="the proxy's port; 0 picks a free one")
@@ -483,7 +499,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep its processes' logs when it stops (default: only if the run failed: a process ended or "
         "logged an error)",
     )
-    security.add_arguments(up, serve_tls=False, call_tls=False)
+    up.add_argument(
+        "--slurm",
+        action="store_const",
+        const=True,
+        default=None,
+        help="lay the cluster out over this Slurm allocation's nodes, one job step per server (default when "
+        "SLURM_JOB_ID is set: in a batch script or under salloc; docs/slurm.md)",
+    )
+    up.add_argument("--no_slurm", dest="slurm", action="store_const", const=False, help="keep it on this machine")
+    up.add_argument(
+        "--output",
+        default=None,
+        help="write the cluster's address (DIR/address) and token (DIR/token, mode 0600) into this directory "
+        "once it serves, removed when it stops (default with --slurm: ./pathways-nb-JOBID)",
+    )
+    security.add_arguments(up, serve_tls=True, call_tls=True)
     up.set_defaults(run=_up)
 
     logs = commands.add_parser(
@@ -519,6 +550,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     k8s.add_argument("--output", required=True, help="directory to write the files into")
     k8s.set_defaults(run=_deploy_k8s)
+    _add_deploy_slurm(targets, common)
 
     kernel = commands.add_parser("kernel", parents=[common], help="the Jupyter kernel")
     kernel_commands = kernel.add_subparsers(dest="kernel_command", required=True)

@@ -36,3 +36,12 @@ class ConnectionFailed(PathwaysError, ConnectionError):
             "Check the address and that the server runs (pathways-nb up, or pathways-nb proxy); "
             "JAX still uses this machine's devices"
         )
+
+
+class SlurmError(PathwaysError):
+    """A Slurm command failed, or Slurm says a job cannot serve a cluster (it ended, it is not ours)."""
+
+    def __init__(self, what: str, detail: str):
+        self.what = what
+        self.detail = detail
+        super().__init__(f"{what}: {detail}")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import json
 import os
 import subprocess
@@ -20,6 +18,7 @@ from pathways_nb.launch.processes import ChildServer
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
 from pathways_nb.testing import python_process
+from pathways_nb.testing.tls import certificates
 
 
 @pytest.fixture(scope="module")
@@ -196,57 +195,8 @@ def test_every_server_listens_on_loopback_by_default():
 # -- TLS -------------------------------------------------------------------------------------
 
 
-def _certificates(directory) -> dict[str, str]:
-    """A self-signed CA and a server certificate it signed for 127.0.0.1 and localhost (PEM files)."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    now = datetime.datetime.now(datetime.timezone.utc)
-    ca_key, server_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "pathways-nb test CA")])
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )
-    server = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]))
-        .issuer_name(ca_name)
-        .public_key(server_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    files = {
-        "ca": ca.public_bytes(serialization.Encoding.PEM),
-        "cert": server.public_bytes(serialization.Encoding.PEM),
-        "key": server_key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        ),
-    }
-    paths = {}
-    for name, data in files.items():
-        paths[name] = str(directory / f"{name}.pem")
-        (directory / f"{name}.pem").write_bytes(data)
-    return paths
-
-
 def test_tls_resource_manager_and_worker(tmp_path):
-    pem = _certificates(tmp_path)
+    pem = certificates(tmp_path)
     token = security.generate_token()
     env = {**os.environ, security.TOKEN_ENV: token}
     tls = ["--tls_cert", pem["cert"], "--tls_key", pem["key"]]

@@ -41,12 +41,27 @@ def normalize_address(address: str) -> str:
         raise ValueError("the address is empty; pass grpc://host:port")
     if "://" in address and not address.startswith("grpc://"):
         scheme = address.split("://", 1)[0]
-        raise ValueError(f"unsupported scheme {scheme!r} in {address!r}; use grpc://host:port")
+        raise ValueError(f"unsupported scheme {scheme!r} in {address!r}; use grpc://host:port (or slurm://JOBID)")
     if not address.startswith("grpc://"):
         address = "grpc://" + address
     if ":" not in address.removeprefix("grpc://"):
         raise ValueError(f"{address!r} has no port; use grpc://host:port")
     return address
+
+
+def resolve_address(address: str) -> tuple[str, str | None]:
+    """``grpc://host:port``, and the cluster token where ``address`` says where to find both:
+    ``slurm://JOBID`` or the path of a cluster's ``address`` file."""
+    from pathways_nb.launch import connection_files, slurm
+
+    job_id = slurm.job_id_of(address.strip())
+    if job_id is not None:
+        address, token = slurm.find(job_id)
+    elif os.path.isfile(address):
+        address, token = connection_files.read(address)
+    else:
+        token = None
+    return normalize_address(address), token
 
 
 class Session:
@@ -243,11 +258,15 @@ def connect(
     ``$PATHWAYS_CLUSTER_TOKEN``. Raises ``ConnectionFailed`` (JAX left on its previous
     devices) if the server does not answer, or the devices are not free,
     within ``timeout_s`` seconds.
+
+    ``address`` may also say where a running cluster wrote its address: ``slurm://JOBID`` (a Slurm
+    job's cluster: ``pathways-nb deploy slurm``, ``pathways-nb up --slurm``) or the path of its
+    ``address`` file; the token beside that file is then the default ``token``.
     """
     import jax
     from jax.extend import backend
 
-    address = normalize_address(address or os.environ.get(ADDRESS_ENV, ""))
+    address, found_token = resolve_address(address or os.environ.get(ADDRESS_ENV, ""))
     current = _state.get("connection")
     if current is not None:
         raise PathwaysError(f"already connected to {current.address}; call pathways_nb.disconnect() first")
@@ -260,9 +279,9 @@ def connect(
         secret=generate_token(),
         weight=weight,
     )
-    from pathways_nb.launch import local_cluster
+    from pathways_nb.launch import live
 
-    token = token or local_cluster.token_for(address) or token_from_env()
+    token = token or found_token or live.token_for(address) or token_from_env()
     _check_listening(address, timeout_s)
     previous = _Previous(jax.config.jax_platforms, jax.config.read("jax_backend_target"))
     os.environ[jax_plugin.INSECURE_ENV] = "true"

@@ -147,8 +147,9 @@ class ClusterCredentials:
     # -- calling ---------------------------------------------------------------------------
 
     def channel(self, address: str, options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
-        """A channel to an internal endpoint at ``host:port`` that sends the token (over TLS if ``tls_ca``)."""
-        if self.tls_ca is not None:
+        """A channel to an internal endpoint at ``host:port`` that sends the token (over TLS if ``tls_ca``;
+        never to a ``unix:PATH``, which is this machine's and reached through its file's permissions)."""
+        if self.tls_ca is not None and not address.startswith("unix:"):
             channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(self.tls_ca), options=options)
         else:
             channel = grpc.insecure_channel(address, options=options)
@@ -158,7 +159,7 @@ class ClusterCredentials:
 
     def aio_channel(self, address: str, options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
         """``channel`` for grpc.aio, made on the loop it serves; its calls pass ``call_metadata()``."""
-        if self.tls_ca is not None:
+        if self.tls_ca is not None and not address.startswith("unix:"):
             return grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(self.tls_ca), options=options)
         return grpc.aio.insecure_channel(address, options=options)
 
@@ -169,6 +170,42 @@ class ClusterCredentials:
     def child_env(self) -> dict[str, str]:
         """Environment variables that hand the token to a child server (never its command line, which ps shows)."""
         return {TOKEN_ENV: self.token} if self.token else {}
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """The PEM files of a cluster whose servers all serve TLS and call each other over it (``pathways-nb up``
+    on several machines): each server reads them itself, so they are passed on as paths."""
+
+    cert: str
+    key: str
+    ca: str
+
+    @classmethod
+    def of(cls, cert: str | None, key: str | None, ca: str | None) -> TlsFiles | None:
+        """The three files (as absolute paths), or None if none is given; ``ValueError`` if only some are."""
+        given = (cert, key, ca)
+        if not any(given):
+            return None
+        if not all(given):
+            raise ValueError(
+                "--tls_cert, --tls_key and --tls_ca go together for a whole cluster: every server serves TLS with "
+                "the certificate (which must name every address a server listens on) and trusts the CA when it "
+                "calls the others"
+            )
+        return cls(*(os.path.abspath(path) for path in given))
+
+    def serving(self) -> list[str]:
+        """The flags of a server that serves TLS."""
+        return ["--tls_cert", self.cert, "--tls_key", self.key]
+
+    def calling(self) -> list[str]:
+        """The flags of a server that calls the others over TLS."""
+        return ["--tls_ca", self.ca]
+
+    def credentials(self, token: str | None) -> ClusterCredentials:
+        """What a launcher calls the cluster's servers with."""
+        return ClusterCredentials(token=token, tls_ca=_read(self.ca, "--tls_ca"))
 
 
 def add_arguments(parser: argparse.ArgumentParser, serve_tls: bool, call_tls: bool) -> None:

@@ -35,12 +35,18 @@ class Accelerator:
     topology_label: str | None = None
     # What the image installs besides pathways-nb for these chips (its EXTRA_REQUIREMENTS build argument).
     extra_requirements: str = ""
+    # The flag that asked for these hosts, for messages (default: --accelerator NAME).
+    flag: str = ""
+
+    @property
+    def asked_by(self) -> str:
+        return self.flag or f"--accelerator {self.name}"
 
     def check(self, hosts_per_island: int, devices_per_host: int) -> None:
         """Raises ``ValueError`` saying how islands of this shape cannot be made of these hosts."""
         if self.chips_per_host is not None and devices_per_host != self.chips_per_host:
             raise ValueError(
-                f"--devices_per_host {devices_per_host} does not match --accelerator {self.name}, whose hosts "
+                f"--devices_per_host {devices_per_host} does not match {self.asked_by}, whose hosts "
                 f"have {self.chips_per_host} chips: use --devices_per_host {self.chips_per_host}"
             )
         if self.topologies and hosts_per_island not in self.topologies:
@@ -89,6 +95,29 @@ ACCELERATORS: dict[str, Accelerator] = {
         ),
     )
 }
+
+
+def gpus(count: int) -> Accelerator:
+    """Hosts of ``count`` CUDA GPUs each, as a Slurm job asks for them (``--gres=gpu:COUNT``)."""
+    flag = f"--gpus_per_node {count}"
+    return Accelerator(name=f"gpu:{count}", platform="cuda", device_platform="gpu", chips_per_host=count, flag=flag)
+
+
+def check_shape(
+    islands: int, hosts_per_island: int, devices_per_host: int, accelerator: Accelerator, colocated_python: bool
+) -> None:
+    """Raises ``ValueError`` saying why a cluster of this shape cannot be made (every ``deploy`` target's check)."""
+    if colocated_python and accelerator.platform != "cpu":
+        raise ValueError(
+            f"--colocated_python needs CPU workers, not {accelerator.asked_by}: colocated CPU devices are "
+            "more devices of a worker's CPU client, which only CPU workers have yet"
+        )
+    if min(islands, hosts_per_island, devices_per_host) < 1:
+        raise ValueError(
+            f"--islands {islands} --hosts_per_island {hosts_per_island} --devices_per_host "
+            f"{devices_per_host}: each must be at least 1"
+        )
+    accelerator.check(hosts_per_island, devices_per_host)
 
 
 def accelerator(name: str) -> Accelerator:

@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 
 from pathways_nb.core.security import generate_token
-from pathways_nb.deploy.accelerators import Accelerator
+from pathways_nb.deploy.accelerators import Accelerator, check_shape
 from pathways_nb.deploy.image import DOCKERFILE, DOCKERIGNORE
 
 JOBSET_API_VERSION = "jobset.x-k8s.io/v1alpha2"
@@ -84,17 +84,7 @@ class Deployment:
     colocated_python: bool = False
 
     def __post_init__(self) -> None:
-        if self.colocated_python and self.accelerator.platform != "cpu":
-            raise ValueError(
-                f"--colocated_python needs CPU workers (--accelerator cpu), not {self.accelerator.name}: "
-                "colocated CPU devices are more devices of a worker's CPU client, which only CPU workers have yet"
-            )
-        if min(self.islands, self.hosts_per_island, self.devices_per_host) < 1:
-            raise ValueError(
-                f"--islands {self.islands} --hosts_per_island {self.hosts_per_island} --devices_per_host "
-                f"{self.devices_per_host}: each must be at least 1"
-            )
-        self.accelerator.check(self.hosts_per_island, self.devices_per_host)
+        check_shape(self.islands, self.hosts_per_island, self.devices_per_host, self.accelerator, self.colocated_python)
         if not _DNS_LABEL.match(self.name):
             raise ValueError(
                 f"--name {self.name!r} cannot name Kubernetes objects: use lower-case letters, digits and '-', "

@@ -33,6 +33,7 @@ import secrets
 import shutil
 import signal
 import site
+import stat
 import subprocess
 import sys
 import tempfile
@@ -397,6 +398,7 @@ class ColocatedHostServer:
     """Serves ``ColocatedHost`` on the unix socket ``socket_path`` until ``stop()``."""
 
     def __init__(self, socket_path: str, policy: ExecutorPolicy, credentials: ClusterCredentials | None = None):
+        self._socket_directory = _private_directory(Path(socket_path).parent)
         parent = Path(os.environ.get("PATHWAYS_SHM_ROOT") or "/dev/shm")
         # Executors' directories: others may pass through (an executor reaches its own) but not list.
         root = Path(tempfile.mkdtemp(prefix=f"pathways-nb-executors-{os.getpid()}-", dir=parent))
@@ -414,3 +416,26 @@ class ColocatedHostServer:
 
     def stop(self, grace_s: float | None = 1.0) -> None:
         self._server.stop(grace_s)
+        if self._socket_directory is not None:  # made here: nothing of this host is left on its machine
+            shutil.rmtree(self._socket_directory, ignore_errors=True)
+
+
+def _private_directory(directory: Path) -> Path | None:
+    """Makes the socket's ``directory`` (mode 0700) if it does not exist, and returns it; None if it did.
+
+    On a node of a Slurm allocation nobody else makes it (the launcher is on another machine). One that
+    exists must be this user's and closed to others: a directory someone else made in /tmp could hand
+    them the socket.
+    """
+    try:
+        directory.mkdir(mode=0o700)
+        return directory
+    except FileExistsError:
+        pass
+    found = directory.lstat()
+    if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.geteuid() or found.st_mode & 0o077:
+        raise ValueError(
+            f"the socket's directory {directory} is not a directory of this user closed to others (mode 0700): "
+            "remove it, or pass a --socket in a directory of your own"
+        )
+    return None

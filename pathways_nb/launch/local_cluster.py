@@ -10,34 +10,35 @@ and the island serves again by itself.
 
 Each process logs to a file of its own in the cluster's directory (``log_paths``; ``pathways-nb logs``
 reads them from another terminal): kept after ``close()`` when the run failed, removed otherwise.
+
+The same launcher lays a cluster out over the nodes of a Slurm allocation
+(``nodes=``, see ``pathways_nb.launch.slurm``): the resource manager and the proxy
+on the first node, one worker per node, each a job step that ``srun`` starts
+from here, supervised from here in the same way.
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import shutil
-import socket
 import tempfile
 import time
-import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
 
 from pathways_nb.core import tuning
 from pathways_nb.core.keepalive import Liveness
-from pathways_nb.core.security import ClusterCredentials, generate_token
-from pathways_nb.launch import cluster_logs
-from pathways_nb.launch.processes import ChildServer, Status
+from pathways_nb.core.security import ClusterCredentials, TlsFiles, generate_token
+from pathways_nb.launch import cluster_logs, live
+from pathways_nb.launch.processes import THIS_MACHINE, ChildServer, Node, Status
 from pathways_nb.launch.supervisor import ChildExit, Supervisor
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
 
 _LOGGER = logging.getLogger(__name__)
-
-_LIVE: weakref.WeakSet[LocalCluster] = weakref.WeakSet()
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,10 @@ class LocalCluster:
     ``colocated_python=True`` runs tenants' ``jax.experimental.colocated_python`` beside the
     devices (off by default; docs/colocated_python.md): each host gets a ``colocated-host`` that
     starts its sessions' executors with ``colocated_python_executable`` (default: this Python).
+
+    ``nodes`` (default: this machine for everything) places the processes on other machines: the
+    resource manager and the proxy on ``nodes[0]``, the worker of island ``i`` host ``h`` on
+    ``nodes[i * hosts_per_island + h]`` (``launch.slurm.Allocation.nodes``: a Slurm allocation's).
     """
 
     def __init__(
@@ -82,6 +87,10 @@ class LocalCluster:
         worker_timeout_s: float = tuning.ONE_MACHINE_WORKER_TIMEOUT_S.value,
         log_level: str | None = None,
         keep_logs: bool | None = None,
+        nodes: Sequence[Node] | None = None,
+        directory: str | os.PathLike[str] | None = None,
+        on_end: Callable[[str], None] | None = None,
+        tls: TlsFiles | None = None,
     ):
         """``storage_root``: where the workers and the proxy write profiles and checkpoints
         (``pathways_nb.core.storage``); default ``storage/`` in the cluster's own directory, which is
@@ -89,10 +98,24 @@ class LocalCluster:
         worker that stopped answering (``SIGSTOP``) is found dead; a stall of less than five sixths of it
         is never a death. ``log_level``: its processes' (their ``--log_level``; default WARNING).
         ``keep_logs``: whether ``close()`` leaves their logs (``logs/`` in the cluster's directory);
-        default: only those of a failed run (see ``failures``)."""
+        default: only those of a failed run (see ``failures``). ``directory``: the cluster's own directory
+        (default: a new temporary one, removed at ``close()`` unless its storage or its logs are kept); one
+        given is left in place. ``on_end(why)``: called (from a supervising thread) if the cluster's machines
+        are gone for good (its Slurm job ended); nothing is restarted then, and ``ended`` says why. ``tls``:
+        the resource manager and the workers serve TLS, and the workers, the proxy and this launcher call them
+        over it (for clusters whose traffic crosses a network; the proxy's own port stays plaintext)."""
         self.spec = ClusterSpec(islands, hosts_per_island, devices_per_host, platform)
+        self.spec.check()
         Liveness.within(worker_timeout_s)  # one the resource manager would refuse fails here, before any process
         self.worker_timeout_s = worker_timeout_s
+        self.nodes = list(nodes) if nodes else [THIS_MACHINE]
+        self._on_end = on_end
+        self.ended: str | None = None
+        if nodes and len(self.nodes) < islands * hosts_per_island:
+            raise ValueError(
+                f"{islands} island(s) of {hosts_per_island} host(s) need {islands * hosts_per_island} nodes "
+                f"(one worker per node), and there are {len(self.nodes)}: ask for more nodes, or fewer islands"
+            )
         # User Python beside the devices (jax.experimental.colocated_python): off unless asked for.
         # Each host then gets a colocated host (``pathways-nb colocated-host``) that starts its
         # executors, with ``colocated_python_executable`` (default: this Python).
@@ -101,10 +124,11 @@ class LocalCluster:
         self.colocated_hosts: dict[tuple[int, int], ChildServer] = {}
         self._colocated_sockets: tempfile.TemporaryDirectory | None = None
         # The cluster's own directory (its storage root by default).
-        self.directory = tempfile.mkdtemp(prefix="pathways-nb-cluster-")
+        self._own_directory = directory is None
+        self.directory = os.path.abspath(directory or tempfile.mkdtemp(prefix="pathways-nb-cluster-"))
         self.storage_root = os.path.abspath(storage_root or os.path.join(self.directory, "storage"))
         self.log_directory = os.path.join(self.directory, "logs")
-        os.mkdir(self.log_directory)
+        os.makedirs(self.log_directory, exist_ok=True)
         self.log_level = log_level
         self.keep_logs = keep_logs
         # Why close() left the cluster's directory ("" until then, or if it removed it).
@@ -114,9 +138,9 @@ class LocalCluster:
         # The cluster token its internal endpoints require (None: a fresh random one); children get it
         # in their environment, never on their command line.
         self.token = token or generate_token()
-        self.credentials = ClusterCredentials(token=self.token)
+        self.tls = tls
+        self.credentials = tls.credentials(self.token) if tls else ClusterCredentials(token=self.token)
         self._child_env = {**os.environ, **self.credentials.child_env()}
-        self.spec.check()
         self.port = port
         self.status = Status.created
         self.startup_s: float | None = None
@@ -137,7 +161,7 @@ class LocalCluster:
             return self
         started = time.monotonic()
         self.status = Status.starting
-        _LIVE.add(self)
+        live.add(self)
         spec = self.spec
         try:
             self.resource_manager = self._child(
@@ -146,13 +170,17 @@ class LocalCluster:
                     "resource-manager",
                     "--server_port",
                     "0",
+                    "--host",
+                    self.nodes[0].address,
                     "--instance_count",
                     str(spec.islands),
                     "--instance_type",
                     f"{spec.platform}:{spec.hosts_per_island}x{spec.devices_per_host}",
                     "--worker_timeout",
                     f"{self.worker_timeout_s:g}",
+                    *(self.tls.serving() if self.tls else []),
                 ],
+                self.nodes[0],
             )
             self.resource_manager.start(timeout_s)
             if self.colocated_python:
@@ -170,11 +198,15 @@ class LocalCluster:
                     "proxy",
                     "--server_port",
                     str(self.port),
+                    "--host",
+                    self.nodes[0].address,
                     "--resource_manager_address",
                     self.resource_manager.hostport,
                     "--storage_root",
                     self.storage_root,
+                    *(self.tls.calling() if self.tls else []),
                 ],
+                self.nodes[0],
             )
             self.proxy.start(timeout_s)
             self._wait_for_workers(timeout_s)
@@ -191,8 +223,15 @@ class LocalCluster:
         self.status = Status.running
         return self
 
+    def node(self, island: int, host: int) -> Node:
+        """The machine the worker of ``island`` / ``host`` runs on."""
+        if len(self.nodes) == 1:
+            return self.nodes[0]
+        return self.nodes[island * self.spec.hosts_per_island + host]
+
     def _worker(self, island: int, host: int) -> ChildServer:
         assert self.resource_manager is not None
+        node = self.node(island, host)
         return self._child(
             f"worker-{island}-{host}",
             [
@@ -201,6 +240,8 @@ class LocalCluster:
                 self.resource_manager.hostport,
                 "--server_port",
                 "0",
+                "--host",
+                node.address,
                 "--island",
                 str(island),
                 "--host_index",
@@ -213,15 +254,17 @@ class LocalCluster:
                 self.storage_root,
                 *self._island_flags(island),
                 *self._colocated_flags(island, host),
+                *([*self.tls.serving(), *self.tls.calling()] if self.tls else []),
             ],
+            node,
         )
 
-    def _child(self, name: str, arguments: list[str]) -> ChildServer:
-        """One of the cluster's processes: its token in its environment, its log in ``logs/``, at the log level."""
+    def _child(self, name: str, arguments: list[str], node: Node = THIS_MACHINE) -> ChildServer:
+        """One of the cluster's processes, on ``node``: its token in its environment, its log in ``logs/``, at the
+        log level."""
         level = ["--log_level", self.log_level] if self.log_level else []
-        return ChildServer(
-            name, [*arguments, *level], env=self._child_env, log_path=os.path.join(self.log_directory, f"{name}.log")
-        )
+        log_path = os.path.join(self.log_directory, f"{name}.log")
+        return ChildServer(name, [*arguments, *level], env=self._child_env, log_path=log_path, node=node)
 
     def _start_colocated_hosts(self, timeout_s: float) -> None:
         """One ``colocated-host`` per host, on a unix socket in a directory of this user only."""
@@ -236,6 +279,7 @@ class LocalCluster:
                 self.colocated_hosts[(island, host)] = self._child(
                     f"colocated-host-{island}-{host}",
                     ["colocated-host", "--socket", self._colocated_socket(island, host), *executable],
+                    self.node(island, host),
                 )
         for colocated in self.colocated_hosts.values():
             colocated.launch()
@@ -243,6 +287,11 @@ class LocalCluster:
             colocated.wait_started(timeout_s)
 
     def _colocated_socket(self, island: int, host: int) -> str:
+        """Where the colocated host of ``island`` / ``host`` listens: a directory of this user here, or one
+        the host makes on its node (it must be of that machine: a unix socket is)."""
+        node = self.node(island, host)
+        if not node.local:
+            return node.private_socket(f"colocated-{island}-{host}")
         assert self._colocated_sockets is not None
         return os.path.join(self._colocated_sockets.name, f"host-{island}-{host}.sock")
 
@@ -257,7 +306,8 @@ class LocalCluster:
         if hosts == 1:
             return []
         if island not in self._coordinators:
-            self._coordinators[island] = f"127.0.0.1:{_free_port()}"
+            leader = self.node(island, 0)
+            self._coordinators[island] = f"{leader.address}:{leader.free_port()}"
         return ["--hosts_per_island", str(hosts), "--coordinator_address", self._coordinators[island]]
 
     def _wait_for_workers(self, timeout_s: float) -> None:
@@ -293,7 +343,7 @@ class LocalCluster:
             cluster_logs.forget(self._record)
         self.status = Status.closed
         self._remove_directory_unless_kept(failed_to_start)
-        _LIVE.discard(self)
+        live.discard(self)
 
     def _remove_directory_unless_kept(self, failed_to_start: bool) -> None:
         """Removes the cluster's directory, unless its storage root holds what the cluster wrote or its logs
@@ -310,7 +360,8 @@ class LocalCluster:
         else:
             shutil.rmtree(self.log_directory, ignore_errors=True)
         if not reasons:
-            shutil.rmtree(self.directory, ignore_errors=True)
+            if self._own_directory:  # (a directory given is the caller's)
+                shutil.rmtree(self.directory, ignore_errors=True)
             return
         self.kept_because = "; ".join(reasons)
         level = logging.WARNING if failures and self.keep_logs is None else logging.INFO
@@ -344,6 +395,10 @@ class LocalCluster:
         if self.proxy is None or self.proxy.port is None:
             raise RuntimeError("the cluster is not running; call start()")
         return self.proxy.address
+
+    def serves(self, address: str) -> bool:
+        """Whether this cluster runs and its proxy is at ``address``."""
+        return self.status is Status.running and self.address == address
 
     @property
     def resource_manager_address(self) -> str:
@@ -399,13 +454,26 @@ class LocalCluster:
 
     def _supervise(self) -> None:
         """Restarts any process of the cluster that dies; the resource manager and the proxy keep their ports."""
-        self.supervisor = Supervisor(on_exit=self._report_exit)
+        self.supervisor = Supervisor(on_exit=self._child_ended)
         self.supervisor.watch(self.resource_manager, keep_port=True)
         for worker in self.workers.values():
             self.supervisor.watch(worker)
         for colocated in self.colocated_hosts.values():
             self.supervisor.watch(colocated)
         self.supervisor.watch(self.proxy, keep_port=True)
+
+    def _child_ended(self, child: ChildServer, ended: ChildExit) -> None:
+        """A process ended: reported (a worker; first, so that its cause reaches the resource manager before
+        its stream's end does) and started again, unless its machine is gone for good."""
+        self._report_exit(child, ended)
+        gone = child.node.gone()
+        if gone is None:
+            return
+        _LOGGER.warning("%s ended and is not started again: %s", child.name, gone)
+        self.supervisor.close()
+        self.ended = gone
+        if self._on_end is not None:
+            self._on_end(gone)
 
     def _report_exit(self, child: ChildServer, ended: ChildExit) -> None:
         """Tells the resource manager that a worker's process ended: its island is down at once, with the cause."""
@@ -420,8 +488,10 @@ class LocalCluster:
                     _LOGGER.warning("stopping %s: island %d forms again without the dead host", other.name, island)
                     self._stopped_with_island.add(other.process.pid)
                     other.process.kill()
+        # (A server elsewhere is not the process started here, srun: pid 0 stands for whichever registered.)
+        pid = ended.pid if child.node.local else 0
         report = pb.WorkerExitReport(
-            island=place[0], host_index=place[1], pid=ended.pid, reason=f"its process {ended.description}"
+            island=place[0], host_index=place[1], pid=pid, reason=f"its process {ended.description}"
         )
         try:
             with self.credentials.channel(self.resource_manager_address) as channel:
@@ -446,23 +516,3 @@ def loop_stats(address: str, credentials: ClusterCredentials) -> pb.LoopStats:
     """The loop watchdog's counts of the server at ``address`` (``host:port`` or ``unix:PATH``)."""
     with credentials.channel(address) as channel:
         return cluster_pb2_grpc.DiagnosticsStub(channel).GetLoopStats(pb.LoopStatsRequest(), timeout=10)
-
-
-def token_for(address: str) -> str | None:
-    """The token of the running ``LocalCluster`` of this process whose proxy is at ``address``, if any."""
-    for cluster in list(_LIVE):
-        if cluster.status is Status.running and cluster.address == address:
-            return cluster.token
-    return None
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-@atexit.register
-def _close_all() -> None:
-    for cluster in list(_LIVE):
-        cluster.close()

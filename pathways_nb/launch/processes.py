@@ -1,11 +1,18 @@
 """Launching pathways-nb servers as child processes and stopping them without leftovers.
 
-Every server command (``pathways-nb proxy``, later the resource manager and
-workers) accepts ``--port_file``: once it listens it writes its port there.
-``ChildServer`` waits for that file (or the child's early death, with its log),
-and stops the child with SIGTERM, then SIGKILL, decoding how it ended. A child
-can be started again (``relaunch``) on the port it had, so that whoever knew its
-address finds it there again; its log keeps every run's output.
+Every server command (``pathways-nb proxy``, the resource manager, workers)
+accepts ``--port_file``: once it listens it writes its port there (``-``: it
+prints ``PORT_ANNOUNCEMENT`` and the port on its output instead). ``ChildServer``
+waits for that port (or the child's early death, with its log), and stops the
+child with SIGTERM, then SIGKILL, decoding how it ended. A child can be started
+again (``relaunch``) on the port it had, so that whoever knew its address finds
+it there again; its log keeps every run's output.
+
+A child runs on a ``Node``: this machine by default, or a node of a Slurm
+allocation (``launch.slurm.SlurmNode``), where the process started here is
+``srun`` and the server is a job step on that node. Such a server announces its
+port on its output, which ``srun`` brings back into the log here: no file has to
+be shared between the machines.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import enum
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -24,9 +32,11 @@ from collections.abc import Sequence
 from pathways_nb.core.exit_status import exit_description
 from pathways_nb.errors import PathwaysError
 
-# Set for every child: the pid of the process that launched it. A child whose
+# Set for every child on this machine: the pid of the process that launched it. A child whose
 # parent is gone (killed without a chance to stop it) stops itself.
 PARENT_ENV = "PATHWAYS_PARENT_PID"
+# What a server started with ``--port_file -`` prints, followed by its port, once it listens.
+PORT_ANNOUNCEMENT = "pathways-nb listening on port "
 
 
 def exit_with_parent(stop, interval_s: float = 1.0) -> None:
@@ -43,6 +53,15 @@ def exit_with_parent(stop, interval_s: float = 1.0) -> None:
                 return
 
     threading.Thread(target=watch, name="pathways-parent-watch", daemon=True).start()
+
+
+def announce_port(port_file: str, port: int) -> None:
+    """In a child server, once it listens: ``port`` into ``port_file``, or on its output if that is ``-``."""
+    if port_file == "-":
+        print(f"{PORT_ANNOUNCEMENT}{port}", flush=True)
+        return
+    with open(port_file, "w") as f:
+        f.write(str(port))
 
 
 class StopRequest:
@@ -103,6 +122,43 @@ class ServerStartError(PathwaysError):
     """A child server exited or stayed silent instead of serving."""
 
 
+class Node:
+    """A machine a launcher starts servers on: this one (the base class), or a node of a Slurm allocation.
+
+    A launcher asks its node where a server listens and others reach it (``address``),
+    how to run a command there (``command``), for a free port there, and how to say
+    how what it started ended.
+    """
+
+    name = "this machine"
+    address = "127.0.0.1"
+    # The process a launcher starts here is the server itself (its pid is the server's), it can
+    # write files the launcher reads, and it stops when the launcher dies (PARENT_ENV). On a node
+    # of a Slurm allocation, none of this holds: srun runs the server, and Slurm ends the step with it.
+    local = True
+
+    def command(self, name: str, command: Sequence[str]) -> list[str]:
+        """The command that runs ``command`` (the server ``name``) on this node."""
+        return list(command)
+
+    def free_port(self) -> int:
+        """A port nothing listens on at ``address`` now."""
+        with socket.socket() as probe:
+            probe.bind((self.address, 0))
+            return probe.getsockname()[1]
+
+    def describe_exit(self, returncode: int | None) -> str:
+        """How a process started here ended, from its exit status: ``killed by signal SIGSEGV``."""
+        return exit_description(returncode)
+
+    def gone(self) -> str | None:
+        """Why nothing can run here any more (a Slurm node: its job ended); None while it can."""
+        return None
+
+
+THIS_MACHINE = Node()
+
+
 class ChildServer:
     """One ``pathways-nb`` server command running as a child process."""
 
@@ -111,19 +167,21 @@ class ChildServer:
         name: str,
         arguments: Sequence[str],
         env: dict[str, str] | None = None,
-        host: str = "127.0.0.1",
+        host: str | None = None,
         prefix: Sequence[str] = (),
         cwd: str | None = None,
         log_path: str | None = None,
+        node: Node = THIS_MACHINE,
     ):
-        """``host``: where it listens (its ``address``); ``prefix``: runs it through a launcher, e.g.
-        ``["ip", "netns", "exec", NAME]`` (one that execs, so the child's pid is the server's); ``cwd``: its
-        working directory; ``log_path``: the file its output goes to, which outlives it (default: a file of
-        its own, removed by ``close()``)."""
+        """``host``: where it listens (its ``address``; default the node's address); ``prefix``: runs it
+        through a launcher, e.g. ``["ip", "netns", "exec", NAME]`` (one that execs, so the child's pid is
+        the server's); ``cwd``: its working directory; ``log_path``: the file its output goes to, which
+        outlives it (default: a file of its own, removed by ``close()``); ``node``: the machine it runs on."""
         self.name = name
         self.arguments = list(arguments)
         self.env = env
-        self.host = host
+        self.node = node
+        self.host = host or node.address
         self.prefix = list(prefix)
         self.cwd = cwd
         self.status = Status.created
@@ -151,20 +209,16 @@ class ChildServer:
         if self.status in (Status.closing, Status.closed):
             raise ServerStartError(f"{self.name} is being stopped; it is not started again")
         self.status = Status.starting
-        self._port_file = os.path.join(self._directory.name, "port")
-        if os.path.exists(self._port_file):
+        self._port_file = os.path.join(self._directory.name, "port") if self.node.local else "-"
+        if self.node.local and os.path.exists(self._port_file):
             os.unlink(self._port_file)
-        command = [
-            *self.prefix,
-            sys.executable,
-            "-m",
-            "pathways_nb.cli",
-            *(arguments or self.arguments),
-            "--port_file",
-            self._port_file,
-        ]
+        self._log_start = os.path.getsize(self.log_path) if os.path.exists(self.log_path) else 0
+        server = [sys.executable, "-m", "pathways_nb.cli", *(arguments or self.arguments)]
+        command = [*self.prefix, *self.node.command(self.name, [*server, "--port_file", self._port_file])]
         env = dict(self.env if self.env is not None else os.environ)
-        env[PARENT_ENV] = str(os.getpid())
+        env.pop(PARENT_ENV, None)
+        if self.node.local:
+            env[PARENT_ENV] = str(os.getpid())
         with open(self.log_path, "a") as log:
             # A new process session: Ctrl-C in a terminal reaches only us, and we stop the children.
             self.process = subprocess.Popen(
@@ -172,25 +226,38 @@ class ChildServer:
             )
 
     def wait_started(self, timeout_s: float = 60.0) -> None:
-        port_file = self._port_file
         deadline = time.monotonic() + timeout_s
         while True:
-            if os.path.exists(port_file):
-                text = open(port_file).read().strip()
-                if text:
-                    self.port = int(text)
-                    self.status = Status.running
-                    return
+            port = self._announced_port()
+            if port is not None:
+                self.port = port
+                self.status = Status.running
+                return
             if self.process.poll() is not None:
                 self.status = Status.failed
-                raise ServerStartError(
-                    f"{self.name} {exit_description(self.process.returncode)} while starting:\n{self.log()[-3000:]}"
-                )
+                how = self.node.describe_exit(self.process.returncode)
+                raise ServerStartError(f"{self.name} {how} while starting:\n{self.log()[-3000:]}")
             if time.monotonic() > deadline:
                 self.close()
                 self.status = Status.failed
                 raise ServerStartError(f"{self.name} did not start within {timeout_s:g} s:\n{self.log()[-3000:]}")
             time.sleep(0.02)
+
+    def _announced_port(self) -> int | None:
+        """The port this run of the child listens on, once it has said so (in its port file, or its output)."""
+        if self._port_file != "-":
+            try:
+                with open(self._port_file) as f:
+                    text = f.read().strip()
+            except FileNotFoundError:
+                return None
+            return int(text) if text else None
+        with open(self.log_path, "rb") as log:
+            log.seek(self._log_start)
+            for line in log.read().decode(errors="replace").splitlines():
+                if line.startswith(PORT_ANNOUNCEMENT):
+                    return int(line.removeprefix(PORT_ANNOUNCEMENT))
+        return None
 
     def relaunch(self, keep_port: bool) -> None:
         """Starts the child again after it ended (on the same port if ``keep_port``), without waiting."""

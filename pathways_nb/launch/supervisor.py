@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pathways_nb.core.exit_status import exit_description
 from pathways_nb.core.retry import Backoff
 from pathways_nb.launch.processes import ChildServer, ServerStartError, Status
 
@@ -32,7 +31,7 @@ class ChildExit:
     name: str
     pid: int
     returncode: int
-    description: str  # "killed by signal SIGSEGV", "exited with status 1"
+    description: str  # "killed by signal SIGSEGV", "exited with status 1" (and where, for a node elsewhere)
     when: float  # time.time()
     log_tail: str
     restart_in_s: float
@@ -82,9 +81,8 @@ class Supervisor:
             if self._closed.is_set() or child.status in (Status.closing, Status.closed):
                 return
             delay = self.backoff.after(None if time.monotonic() - started >= STABLE_S else delay)
-            ended = ChildExit(
-                child.name, process.pid, returncode, exit_description(returncode), time.time(), child.log_tail(), delay
-            )
+            how = child.node.describe_exit(returncode)
+            ended = ChildExit(child.name, process.pid, returncode, how, time.time(), child.log_tail(), delay)
             self.exits.append(ended)
             _LOGGER.warning("%s", ended)
             if self._on_exit is not None:

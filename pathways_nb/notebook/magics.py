@@ -2,6 +2,7 @@
 
     %pathways connect ADDRESS [--exclusive] [--devices N] [--only_islands 0,1] [--tenant T] [--weight W]
                               [--timeout S] [--token T]
+        (ADDRESS: grpc://HOST:PORT, slurm://JOBID of a Slurm job's cluster, or a cluster's address file)
     %pathways connect local [--islands I] [--hosts_per_island H] [--devices_per_host D]
     %pathways disconnect | status | devices | islands | allocations | help
     %pathways timeline [--live] [--last N]
@@ -59,7 +60,7 @@ def _parser() -> _Parser:
     parser = _Parser(prog="%pathways", add_help=False, description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", parser_class=_Parser)
     connect = commands.add_parser("connect", add_help=False, help="connect to a cluster, or start one here")
-    connect.add_argument("address", help="grpc://host:port, host:port, or local")
+    connect.add_argument("address", help="grpc://host:port, host:port, slurm://JOBID, an address file, or local")
     connect.add_argument("--exclusive", action="store_true", help="nobody else may use your devices")
     connect.add_argument("--devices", type=int, default=0, help="how many devices (default: all)")
     connect.add_argument("--only_islands", default="", help="which islands, e.g. 0,1 (default: any)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from pathways_nb.core.aio_server import BackgroundServer
 from pathways_nb.core.runtime_api import Runtime
@@ -35,7 +36,12 @@ class ProxyServer:
         host: str = "127.0.0.1",
         limits: ProxyLimits | None = None,
         credentials: ClusterCredentials | None = None,
+        stop_reason: Callable[[], str | None] | None = None,
     ):
+        """``stop_reason``: asked when the server stops, for why, which every open session is told
+        (None: that the proxy is shutting down, and nothing more)."""
+        self._stop_reason = stop_reason
+        self._why_stopping: str | None = None
         self.context = ProxyContext(runtime, limits)
         self.service = IfrtProxyService(self.context)
         try:
@@ -66,7 +72,7 @@ class ProxyServer:
         self.context.runtime.serve_on(asyncio.get_running_loop())
 
     async def _close_sessions(self) -> None:
-        self.service.close()
+        self.service.close(self._why_stopping)
 
     @property
     def address(self) -> str:
@@ -76,6 +82,8 @@ class ProxyServer:
     def stop(self, grace_s: float | None = 1.0) -> None:
         """Stops serving, ends every session, frees the devices."""
         _SERVING.discard(self.port)
+        # Asked before the loop stops serving (the question may wait: a Slurm command, say).
+        self._why_stopping = self._stop_reason() if self._stop_reason is not None else None
         self._server.stop(grace_s)
         self.context.close()
 

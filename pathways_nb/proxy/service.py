@@ -199,13 +199,19 @@ class IfrtProxyService:
         with self._sessions_lock:
             return list(self._sessions.values())
 
-    def close(self) -> None:
+    def close(self, reason: str | None = None) -> None:
+        """Ends every session: its client is told the proxy is shutting down, and ``reason`` if given.
+
+        Sessions first: a read under way fails with the reason (the stock client reports a read's own
+        error, but only ``CANCELLED`` for the end of its session's stream), then the streams end.
+        """
+        shutting_down = "the Pathways proxy is shutting down" + (f": {reason}" if reason else "")
+        for session in self.sessions():
+            session.close(shutting_down)
         with self._sessions_lock:
             outboxes = list(self._outboxes.values())
         for outbox in outboxes:
-            outbox.close(grpc.StatusCode.UNAVAILABLE, "the Pathways proxy is shutting down")
-        for session in self.sessions():
-            session.close("the server is shutting down")
+            outbox.close(grpc.StatusCode.UNAVAILABLE, shutting_down)
 
     # -- host buffers ----------------------------------------------------------------------
 
