@@ -111,6 +111,7 @@ class LocalCluster:
         self.nodes = list(nodes) if nodes else [THIS_MACHINE]
         self._on_end = on_end
         self.ended: str | None = None
+        self._exits_before_end: int | None = None
         if nodes and len(self.nodes) < islands * hosts_per_island:
             raise ValueError(
                 f"{islands} island(s) of {hosts_per_island} host(s) need {islands * hosts_per_island} nodes "
@@ -327,7 +328,8 @@ class LocalCluster:
         failed_to_start = self.status is Status.failed
         self.status = Status.closing
         # What the processes log while they stop (streams they abort, say) is not what went wrong in the run.
-        self._logged_before_stop = {child.name: child.log_size() for child in self.processes()}
+        if self.ended is None:
+            self._logged_before_stop = {child.name: child.log_size() for child in self.processes()}
         if self.supervisor is not None:
             self.supervisor.close()
         # All asked to stop at once: a host of an island waits at exit for the island's other hosts.
@@ -369,8 +371,9 @@ class LocalCluster:
 
     def failures(self) -> list[str]:
         """What went wrong in this run, as its processes' logs and exits tell: which process ended unexpectedly,
-        which logged an error before the cluster began to stop (the first of each)."""
-        ended = [f"{ended.name} {ended.description}" for ended in self.exits]
+        which logged an error before the cluster began to stop (the first of each). Processes that ended with
+        their machines (its Slurm job's end) ended as they should."""
+        ended = [f"{ended.name} {ended.description}" for ended in self.exits[: self._exits_before_end]]
         errors = [
             (child.name, child.first_error(self._logged_before_stop.get(child.name))) for child in self.processes()
         ]
@@ -471,6 +474,9 @@ class LocalCluster:
             return
         _LOGGER.warning("%s ended and is not started again: %s", child.name, gone)
         self.supervisor.close()
+        if self.ended is None:  # what its processes do and log from now on is the machines' end, not a failure
+            self._exits_before_end = len(self.exits) - 1
+            self._logged_before_stop = {child.name: child.log_size() for child in self.processes()}
         self.ended = gone
         if self._on_end is not None:
             self._on_end(gone)

@@ -112,7 +112,7 @@ def _how_to_connect(
         f"  or: JAX_PLATFORMS=proxy JAX_BACKEND_TARGET={cluster.address} python ...",
         f"  the cluster views need its token: export {security.TOKEN_ENV}=$(cat {token_file})",
         f"  profiles and checkpoints (gs://BUCKET/PATH) are written under {cluster.storage_root}",
-        f"  its processes log to {cluster.log_directory}/: {logs}",
+        f"  its processes log ({cluster.log_level or 'WARNING'}) to {cluster.log_directory}/: {logs}",
         "    (pathways-nb logs [--follow] shows them; kept if the run fails)",
         f"  scancel {allocation.job_id} (or Ctrl-C) stops it." if allocation else "  Ctrl-C stops it.",
     ]

@@ -294,6 +294,7 @@ class WorkerServer:
 
     def stop(self, grace_s: float | None = 1.0) -> None:
         self._stopped.set()
+        self.service.stopping = True
         if self._attachment is not None:
             self._end_stream(self._attachment[1])  # ends the Attach stream: the resource manager finds this worker gone
         self._server.stop(grace_s)

@@ -127,6 +127,8 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
         self.share = FairShare()
         # Array bytes for the proxy and peers on this host go through shared memory (its key is registered).
         self.outbox = shared_memory.Outbox("worker")
+        # Set as the worker begins to stop: the streams its server then ends are not failures.
+        self.stopping = False
 
     async def Session(self, request_iterator, context):
         replies = _Replies()
@@ -173,7 +175,8 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
                 replies.close()
                 raise
             except Exception:
-                _LOGGER.exception("session %s failed", key)
+                if not self.stopping:
+                    _LOGGER.exception("session %s failed", key)
             replies.close()
 
         reader = asyncio.create_task(serve())
