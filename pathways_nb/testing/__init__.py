@@ -61,8 +61,8 @@ def wait_until(
             return value
         if time.monotonic() >= deadline:
             seen = repr(value)
-            if len(seen) > 3000:
-                seen = seen[:3000] + f"... ({len(seen)} characters)"
+            if len(seen) > 3000:  # the end of it: a log's last lines, say
+                seen = f"({len(seen) - 3000} characters before) ..." + seen[-3000:]
             raise TimeoutError(f"{what}: not within {timeout_s:g} s; the last value seen: {seen}")
         time.sleep(interval_s)
 
