@@ -17,7 +17,6 @@ import os
 import pathlib
 import subprocess
 import sys
-import textwrap
 
 import nbformat
 import pytest
@@ -25,15 +24,7 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parent.parent
 BINDER = REPO / "binder"
 
-EXECUTE = textwrap.dedent(
-    """
-    import sys, nbformat
-    from nbclient import NotebookClient
-    notebook = nbformat.read(sys.argv[1], as_version=4)
-    NotebookClient(notebook, timeout=600, kernel_name=notebook.metadata.kernelspec.name).execute()
-    nbformat.write(notebook, sys.argv[2])
-    """
-)
+EXECUTE = pathlib.Path(__file__).with_name("clients") / "executes_a_notebook.py"
 
 
 def _run(command: list[str], env: dict[str, str], timeout_s: float) -> str:
@@ -68,7 +59,7 @@ def test_binder_environment_runs_the_quickstart(tmp_path):
     assert (REPO / "notebooks/quickstart.ipynb").exists()
 
     executed = tmp_path / "quickstart.executed.ipynb"
-    _run([str(python), "-c", EXECUTE, str(REPO / "notebooks/quickstart.ipynb"), str(executed)], env, 900)
+    _run([str(python), str(EXECUTE), str(REPO / "notebooks/quickstart.ipynb"), str(executed)], env, 900)
     notebook = nbformat.read(executed, as_version=4)
     outputs = [o for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     assert not [o for o in outputs if o["output_type"] == "error"]

@@ -16,11 +16,12 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 
 import nbformat
 import pytest
+
+from pathways_nb.testing import wait_until
 
 ARTIFACTS = pathlib.Path(__file__).resolve().parent.parent / "test-artifacts"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -57,15 +58,17 @@ def lab(kernel_installed, tmp_path_factory):
         stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
+
+    def answering() -> bool:
         try:
             urllib.request.urlopen(f"{url}/api/status", timeout=2)
-            break
+            return True
         except OSError:
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("JupyterLab did not start") from None
-            time.sleep(0.5)
+            if process.poll() is not None:
+                raise RuntimeError(f"JupyterLab ended while starting (its log: {root / 'jupyterlab.log'})") from None
+            return False
+
+    wait_until(answering, 120, "JupyterLab answering", interval_s=0.5)
     yield url, root
     process.terminate()
     process.wait(30)

@@ -6,7 +6,7 @@ import json
 import signal
 import subprocess
 import sys
-import time
+from pathlib import Path
 
 import grpc
 import psutil
@@ -16,7 +16,14 @@ from pathways_nb.core.security import TOKEN_ENV
 from pathways_nb.launch.local_cluster import LocalCluster
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
-from pathways_nb.testing import finish, finished_ok, python_process
+from pathways_nb.testing import finish, finished_ok, python_script, wait_until
+
+CLIENTS = Path(__file__).with_name("clients")
+PIPELINE = CLIENTS / "pipeline_across_islands.py"
+CLIENT = CLIENTS / "steps_on_every_device.py"  # argv: address, tenant
+HOLD = CLIENTS / "holds_devices_exclusively.py"
+WAIT = CLIENTS / "waits_for_exclusive_devices.py"
+KILLED = CLIENTS / "island_worker_killed.py"
 
 
 @pytest.fixture(scope="module")
@@ -26,88 +33,28 @@ def island_cluster():
         yield cluster
 
 
-PIPELINE = """
-    import sys, json, jax, jax.numpy as jnp, numpy as np, pathways_nb
-    pathways_nb.connect(sys.argv[1])
-    island0, island1 = jax.devices()[0], jax.devices()[2]
-    rng = np.random.default_rng(0)
-    w1, w2 = rng.standard_normal((16, 32), np.float32), rng.standard_normal((32, 4), np.float32)
-    stage1 = jax.jit(lambda w, x: jnp.tanh(x @ w))
-    stage2 = jax.jit(lambda w, h: jax.nn.softmax(h @ w))
-    w1_0, w2_1 = jax.device_put(w1, island0), jax.device_put(w2, island1)
-    batches = [rng.standard_normal((8, 16), np.float32) for _ in range(6)]
-    outputs = []
-    for x in batches:                                   # microbatches flow through both islands
-        h = stage1(w1_0, jax.device_put(x, island0))
-        outputs.append(stage2(w2_1, jax.device_put(h, island1)))
-    got = np.concatenate([np.asarray(o) for o in outputs])
-    cpu = jax.devices("cpu")[0]
-    want = np.concatenate([np.asarray(stage2(jax.device_put(w2, cpu), stage1(jax.device_put(w1, cpu), x)))
-                           for x in batches])
-    print(json.dumps({"islands": [o.devices().pop().slice_index for o in outputs[:1]],
-                      "max_error": float(np.max(np.abs(got - want)))}))
-"""
-
-
 def test_two_stage_pipeline_across_islands(island_cluster):
-    result = json.loads(finished_ok(python_process(PIPELINE, island_cluster.address)))
+    result = json.loads(finished_ok(python_script(PIPELINE, island_cluster.address)))
     assert result["islands"] == [1]
     assert result["max_error"] == 0.0
 
 
-CLIENT = """
-    import sys, jax, jax.numpy as jnp, numpy as np, pathways_nb
-    connection = pathways_nb.connect(sys.argv[1], tenant=sys.argv[2])
-    devices = jax.devices()
-    step = jax.jit(lambda x: x * 1.5 + 1)
-    for round in range(20):
-        for device in devices:
-            x = jax.device_put(np.full((64,), round, np.float32), device)
-            assert float(step(x)[0]) == round * 1.5 + 1
-    print(len(devices), connection.tenant)
-"""
-
-
 def test_two_clients_at_once(island_cluster):
-    clients = [python_process(CLIENT, island_cluster.address, f"tenant-{i}") for i in range(2)]
+    clients = [python_script(CLIENT, island_cluster.address, f"tenant-{i}") for i in range(2)]
     outputs = [finished_ok(client).split() for client in clients]
     assert outputs == [["4", "tenant-0"], ["4", "tenant-1"]]
 
 
-HOLD = """
-    import sys, jax, numpy as np, pathways_nb
-    pathways_nb.connect(sys.argv[1], tenant="alice", exclusive=True)
-    kept = jax.device_put(np.ones(4, np.float32), jax.devices()[0])   # an array that outlives the session
-    print("holding", flush=True)
-    sys.stdin.readline()
-    pathways_nb.disconnect()
-    print("released", flush=True)
-    sys.stdin.readline()
-"""
-
-WAIT = """
-    import sys, time, pathways_nb
-    started = time.monotonic()
-    try:
-        pathways_nb.connect(sys.argv[1], tenant="bob", exclusive=True, timeout_s=3, progress=False)
-        print("connected")
-    except pathways_nb.ConnectionFailed as error:
-        print(round(time.monotonic() - started), error)
-"""
-
-
 def test_exclusive_use_queues_others_and_times_out(island_cluster):
     # The token lets disconnect() end the session through the observe API.
-    holder = python_process(HOLD, island_cluster.address, env={TOKEN_ENV: island_cluster.token})
+    holder = python_script(HOLD, island_cluster.address, env={TOKEN_ENV: island_cluster.token})
     try:
         assert holder.stdout.readline().strip() == "holding"
-        waiter = python_process(WAIT, island_cluster.address)
-        deadline = time.monotonic() + 30
-        queued = []
-        while not queued and time.monotonic() < deadline:
-            queued = [q for q in island_cluster.state().queue if q.tenant == "bob"]
-            time.sleep(0.1)
-        assert queued and "held by alice (exclusive)" in queued[0].waiting.reason
+        waiter = python_script(WAIT, island_cluster.address)
+        queued = wait_until(
+            lambda: [q for q in island_cluster.state().queue if q.tenant == "bob"], 30, "bob queued", interval_s=0.1
+        )
+        assert "held by alice (exclusive)" in queued[0].waiting.reason
         seconds, message = finished_ok(waiter).split(" ", 1)
         assert 2 <= int(seconds) <= 30
         assert "alice (exclusive)" in message and "exclusive" in message
@@ -115,36 +62,14 @@ def test_exclusive_use_queues_others_and_times_out(island_cluster):
         holder.stdin.write("\n")
         holder.stdin.flush()
         assert holder.stdout.readline().strip() == "released"
-        assert finished_ok(python_process(WAIT, island_cluster.address)).strip() == "connected"
+        assert finished_ok(python_script(WAIT, island_cluster.address)).strip() == "connected"
     finally:
         holder.communicate("\n", timeout=60)
     assert not island_cluster.state().allocations
 
 
-KILLED = """
-    import sys, json, time, jax, numpy as np, pathways_nb
-    pathways_nb.connect(sys.argv[1])
-    island0, island1 = jax.devices()[0], jax.devices()[2]
-    step = jax.jit(lambda x: x + 1)
-    a0, a1 = jax.device_put(np.zeros(4, np.float32), island0), jax.device_put(np.zeros(4, np.float32), island1)
-    print(float(step(a1)[0]), flush=True)
-    sys.stdin.readline()                                   # the test kills island 1's worker
-    started = time.monotonic()
-    try:
-        np.asarray(step(a1))
-        failure = None
-    except Exception as error:
-        failure = str(error)
-    report = {"failure": failure, "seconds": time.monotonic() - started, "island0": float(step(a0)[0])}
-    print(json.dumps(report), flush=True)
-    sys.stdin.readline()                                   # the test restarts it
-    fresh = jax.device_put(np.full(4, 41, np.float32), island1)
-    print(json.dumps({"island1": float(step(fresh)[0])}), flush=True)
-"""
-
-
 def test_dead_worker_fails_its_island_fast_and_rejoins(island_cluster):
-    client = python_process(KILLED, island_cluster.address)
+    client = python_script(KILLED, island_cluster.address)
     try:
         assert client.stdout.readline().strip() == "1.0"
         island_cluster.kill_worker(1)
@@ -156,10 +81,13 @@ def test_dead_worker_fails_its_island_fast_and_rejoins(island_cluster):
         assert report["seconds"] < 10
         assert report["island0"] == 1.0
         island_cluster.restart_worker(1)
-        deadline = time.monotonic() + 30
-        while not all(w.healthy for w in island_cluster.state().workers):
-            assert time.monotonic() < deadline, island_cluster.state()
-            time.sleep(0.1)
+        wait_until(
+            island_cluster.state,
+            30,
+            "every worker healthy",
+            holds=lambda state: all(w.healthy for w in state.workers),
+            interval_s=0.1,
+        )
         client.stdin.write("\n")
         client.stdin.flush()
         line = client.stdout.readline()
@@ -201,7 +129,7 @@ def test_malformed_messages_to_resource_manager_and_worker(island_cluster):
         reply = next(replies).replies[0]
         assert reply.error.code == grpc.StatusCode.NOT_FOUND.value[0] and "12345" in reply.error.message
         replies.cancel()
-    assert finished_ok(python_process(CLIENT, island_cluster.address, "after-bad-messages")).split()[0] == "4"
+    assert finished_ok(python_script(CLIENT, island_cluster.address, "after-bad-messages")).split()[0] == "4"
 
 
 def test_malformed_messages_to_observe_api(island_cluster):
@@ -236,23 +164,14 @@ def test_close_leaves_no_process_behind():
 
 
 def test_children_stop_when_their_launcher_is_killed():
-    launcher = python_process(
-        """
-        import time
-        from pathways_nb.launch.local_cluster import LocalCluster
-        cluster = LocalCluster(islands=1, devices_per_host=1)
-        print(" ".join(str(c.process.pid) for c in cluster.processes()), flush=True)
-        time.sleep(600)
-        """
-    )
+    launcher = python_script(CLIENTS / "launches_a_cluster.py")
     pids = [int(p) for p in launcher.stdout.readline().split()]
     assert len(pids) == 3
     launcher.send_signal(signal.SIGKILL)
     launcher.wait()
-    deadline = time.monotonic() + 20
-    while any(psutil.pid_exists(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(psutil.pid_exists(pid) for pid in pids)
+    wait_until(
+        lambda: [pid for pid in pids if psutil.pid_exists(pid)], 20, "no child left", holds=lambda left: not left
+    )
 
 
 def test_up_prints_its_address_and_stops_on_ctrl_c():

@@ -11,12 +11,10 @@ stream to a worker moved each way, and the worker's own transfer events.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import os
 import signal
-import threading
-import time
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -34,7 +32,7 @@ from pathways_nb.proxy.cluster_runtime import ClusterRuntime
 from pathways_nb.proxy.worker_link import WorkerLost
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
-from pathways_nb.testing import finished_ok, python_process
+from pathways_nb.testing import finished_ok, python_script, wait_until
 
 SHARED, GRPC = "shared memory", "gRPC"
 
@@ -72,54 +70,22 @@ def _link(session, device_id: int):
     return session._link(session._device(device_id))
 
 
-ROUND_TRIPS = """
-    import sys, json, jax, numpy as np, ml_dtypes, pathways_nb
-    from jax.sharding import NamedSharding, Mesh, PartitionSpec as P
-    connection = pathways_nb.connect(sys.argv[1])
-    devices = jax.devices()
-    island0, island1 = devices[:2], devices[2:]
-    rng = np.random.default_rng(0)
-    cases = [
-        (np.float32, (1 << 20) + 3), (np.int8, (3 << 20) + 1), (np.uint16, 70001), (ml_dtypes.bfloat16, 99999),
-        (np.complex64, 40000), (np.bool_, 1 << 17), (np.int32, 7), (np.float32, 0),
-    ]
-    mismatches, transfers = [], 0
-    def same(name, got, want):
-        got = np.asarray(got)
-        if got.dtype != want.dtype or got.shape != want.shape or got.tobytes() != want.tobytes():
-            mismatches.append(name)
-    for dtype, size in cases:
-        high = 2 if dtype is np.bool_ else 256
-        want = rng.integers(0, high, size * np.dtype(dtype).itemsize, np.uint8).view(dtype)
-        name = f"{np.dtype(dtype).name}[{size}]"
-        on0 = jax.device_put(want, island0[0])
-        same(f"{name} up and down", on0, want)
-        same(f"{name} island 0 -> island 1", jax.device_put(on0, island1[1]), want)
-        transfers += 1
-        rows = np.arange(2 * 3 * (size // 6 + 1), dtype=np.int64).astype(dtype).reshape(-1, 3)
-        split0 = NamedSharding(Mesh(island0, ("x",)), P("x"))
-        split1 = NamedSharding(Mesh(island1, ("x",)), P("x"))
-        sharded = jax.device_put(rows, split0)
-        same(f"{name} sharded on island 0", sharded, rows)
-        same(f"{name} sharded, to island 1", jax.device_put(sharded, split1), rows)
-        transfers += 1  # the whole array, from its worker to the other
-        halves = [np.asarray(shard.data) for shard in sharded.addressable_shards]
-        same(f"{name} shards", np.concatenate(halves), rows)
-    print(json.dumps({"mismatches": mismatches, "transfers": transfers, "tenant": connection.tenant}))
-"""
+CLIENTS = Path(__file__).with_name("clients")
+ROUND_TRIPS = CLIENTS / "cluster_round_trips.py"
 
 
 def test_client_round_trips_are_bitwise_equal(cluster):
-    result = json.loads(finished_ok(python_process(ROUND_TRIPS, cluster.address)))
+    result = json.loads(finished_ok(python_script(ROUND_TRIPS, cluster.address)))
     assert result["mismatches"] == []
     # Every copy between islands went the cluster's way, as its source worker reports it.
     observer = Observer(cluster.address, cluster.token)
-    deadline = time.monotonic() + 10
-    while True:
-        names = [e.name for e in observer.events(result["tenant"]) if e.kind == "transfer"]
-        if len(names) >= result["transfers"] or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
+    names = wait_until(
+        lambda: [e.name for e in observer.events(result["tenant"]) if e.kind == "transfer"],
+        10,
+        f"{result['transfers']} transfer events",
+        holds=lambda names: len(names) >= result["transfers"],
+        interval_s=0.1,
+    )
     assert len(names) == result["transfers"]
     way = "through shared memory" if cluster.path == SHARED else "over gRPC"
     assert all(name.endswith(way) for name in names), names
@@ -295,23 +261,10 @@ def test_waiting_for_a_worker_on_the_loop_of_its_stream_is_refused_not_hung(prox
     assert link.result(answered).done  # off that loop, the same wait gets its reply
 
 
-def test_an_array_pushed_before_its_session_opens_waits_for_the_session(cluster):
+def test_an_array_pushed_before_its_session_opens_waits_for_the_session():
     """A peer's push and the proxy's stream race to a worker; a push that wins waits for the session."""
-    address = cluster.workers[(0, 0)].hostport
-    stub = cluster_pb2_grpc.WorkerStub(cluster.credentials.channel(address))
-    key, host = f"test-early-push-{os.getpid()}", np.arange(5, dtype=np.int32)
-    meta = array_meta(dtypes.from_numpy(host.dtype), host.shape, IfrtSharding((0,), ""))
-    pushed = stub.PushArray.future(iter([pb.ArrayChunk(session=key, id=7, meta=meta, data=host.tobytes())]))
-    time.sleep(0.5)
-    assert not pushed.done()  # waiting for the session, not refused
-    batches = iter(
-        [pb.CommandBatch(session=key), pb.CommandBatch(commands=[pb.Command(fetch=pb.Fetch(id=7, request=1))])]
-    )
-    stream = stub.Session(itertools.chain(batches, iter(threading.Event().wait, True)))
-    pushed.result(timeout=10)
-    reply = next(r for batch in stream for r in batch.replies if r.request == 1)
-    assert np.frombuffer(reply.data, host.dtype).tolist() == host.tolist()
-    stream.cancel()
+    result = json.loads(finished_ok(python_script(CLIENTS / "worker_early_push.py")))
+    assert result == {"waiting": True, "fetched": [0, 1, 2, 3, 4]}
 
 
 def test_a_broken_stream_to_a_healthy_worker_is_opened_again(proxy, cluster):
@@ -330,10 +283,7 @@ def _check_broken_stream_refused(proxy):
     broken = _link(proxy, 0)
     kept = proxy.put(np.arange(3, dtype=np.float32), IfrtSharding((0,)))
     proxy.cluster.loop.call_soon_threadsafe(lambda: broken._call.cancel())  # (after the stream opened)
-    deadline = time.monotonic() + 10
-    while broken.alive:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_until(lambda: not broken.alive, 10, "the link's stream broken", interval_s=0.01)
     with pytest.raises(WorkerLost):  # at first, new work fails with the break's error
         _link(proxy, 0)
     with pytest.raises(RequestError):  # what the broken stream held is lost with it

@@ -8,6 +8,7 @@ users can read), they do, and the isolation tests check it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import signal
@@ -33,7 +34,7 @@ from pathways_nb.launch.processes import ChildServer
 from pathways_nb.protocol.errors import RequestError
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
-from pathways_nb.testing import other_users_python
+from pathways_nb.testing import other_users_python, wait_until
 from pathways_nb.worker.executors import ArrayShards, ColocatedHostLink, ExecutorDied, ResultShape
 
 F32 = 11
@@ -139,7 +140,6 @@ def test_an_executor_killed_mid_call_fails_that_call_and_the_next_starts_a_new_o
     def pid_and_wait(x):
         import os
         import pathlib
-        import time
 
         if x[0] > 0:
             pathlib.Path("running").write_text("")
@@ -153,9 +153,9 @@ def test_an_executor_killed_mid_call_fails_that_call_and_the_next_starts_a_new_o
     directory = Path(executor._running.started.directory)
 
     def kill_once_running():
-        deadline = time.monotonic() + DEADLINE_S
-        while not (directory / "running").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        # Killed however long the call takes to start: the call must fail, not sleep on for 120 s.
+        with contextlib.suppress(TimeoutError):
+            wait_until((directory / "running").exists, DEADLINE_S, "the long call started")
         os.kill(pid, signal.SIGKILL)
 
     killer = threading.Thread(target=kill_once_running)
@@ -174,10 +174,12 @@ def test_a_session_that_ends_takes_its_executor_and_its_directory_with_it(host):
     run(executor, program(lambda x: x, [spec((1,))], spec((1,))), [f32([1])])
     pid, directory = executor._running.started.pid, Path(executor._running.started.directory)
     host.end_session("ends")
-    deadline = time.monotonic() + DEADLINE_S
-    while (psutil.pid_exists(pid) or directory.exists()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not psutil.pid_exists(pid) and not directory.exists()
+    wait_until(
+        lambda: {"executor running": psutil.pid_exists(pid), "its directory there": directory.exists()},
+        DEADLINE_S,
+        "the executor and its directory gone",
+        holds=lambda left: not any(left.values()),
+    )
     with pytest.raises(RequestError, match="session ended"):
         run(executor, program(lambda x: x, [spec((1,))], spec((1,))), [f32([1])])
 

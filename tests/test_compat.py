@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import jax
@@ -26,6 +25,7 @@ import pytest
 from pathways_nb.compat import stablehlo
 from pathways_nb.protocol.errors import InvalidRequest
 from pathways_nb.proxy import versions
+from pathways_nb.testing import wait_until
 from pathways_nb.worker import signature
 
 CLIENT_PROGRAM = Path(__file__).with_name("compat_client.py")
@@ -76,20 +76,22 @@ class _Py312Server:
                 cwd=self.directory.name,
                 start_new_session=True,
             )
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
+
+        def address() -> str | None:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the jaxlib 0.12 {mode} ended while starting:\n{self.log()[-3000:]}")
-            if port_file is not None and port_file.exists() and port_file.read_text().strip():
-                self.address = f"grpc://127.0.0.1:{port_file.read_text().strip()}"
-                return
+            if port_file is not None:
+                port = port_file.read_text().strip() if port_file.exists() else ""
+                return f"grpc://127.0.0.1:{port}" if port else None
             found = re.search(r"cluster serving (grpc://\S+):", self.log())
-            if port_file is None and found:
-                self.address = found.group(1)
-                return
-            time.sleep(0.1)
-        self.close()
-        raise RuntimeError(f"the jaxlib 0.12 {mode} did not start within 120 s:\n{self.log()[-3000:]}")
+            return found.group(1) if found else None
+
+        try:
+            self.address = wait_until(address, 120, f"the jaxlib 0.12 {mode} serving", interval_s=0.1)
+        except TimeoutError:
+            log = self.log()  # (close() removes it)
+            self.close()
+            raise RuntimeError(f"the jaxlib 0.12 {mode} did not start within 120 s:\n{log[-3000:]}") from None
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

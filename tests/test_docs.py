@@ -21,7 +21,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import tomllib
@@ -31,7 +30,7 @@ from pathways_nb import cli, errors
 from pathways_nb.core import tuning
 from pathways_nb.notebook import magics
 from pathways_nb.proxy import versions
-from pathways_nb.testing import KernelSession
+from pathways_nb.testing import KernelSession, wait_until
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 BLOCK = re.compile(r"^```python\s*\n(.*?)^```", re.MULTILINE | re.DOTALL)
@@ -431,17 +430,6 @@ def _commands_of(block: str) -> list[list[str]]:
     return [shlex.split(line, comments=True) for line in block.splitlines() if line.split("#")[0].strip()]
 
 
-def _wait_for(predicate, what: str, process: subprocess.Popen, log: pathlib.Path, timeout_s: float = 180):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = predicate(log.read_text())
-        if found:
-            return found
-        assert process.poll() is None, f"{what}: `pathways-nb up` ended:\n{log.read_text()[-3000:]}"
-        time.sleep(0.2)
-    raise AssertionError(f"{what} within {timeout_s} s; `pathways-nb up` printed:\n{log.read_text()[-3000:]}")
-
-
 def test_the_readme_s_using_it_runs_as_written(tmp_path, monkeypatch):
     """`pathways-nb up`, the token line it prints, the kernel installed, then the README's notebook lines."""
     start, terminal, notebook = _using_it()
@@ -460,9 +448,18 @@ def test_the_readme_s_using_it_runs_as_written(tmp_path, monkeypatch):
         cluster = subprocess.Popen(
             ["pathways-nb", *up_args], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path
         )
+
+    def printed() -> str:
+        text = log.read_text()
+        assert PRINTED_EXPORT.search(text) or cluster.poll() is None, f"`pathways-nb up` ended:\n{text[-3000:]}"
+        return text
+
     kernel = None
     try:
-        export = _wait_for(PRINTED_EXPORT.search, "the token line", cluster, log)
+        text = wait_until(
+            printed, 180, "the token line of `pathways-nb up`", holds=PRINTED_EXPORT.search, interval_s=0.2
+        )
+        export = PRINTED_EXPORT.search(text)
         address = re.search(r"cluster serving (grpc://\S+):", log.read_text())[1]
         printed = export[0]
         for command in _commands_of(terminal):

@@ -22,12 +22,12 @@ import collections
 import json
 import os
 import random
-import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import psutil
@@ -168,73 +168,24 @@ class _Relay(grpc.GenericRpcHandler):
         self.channel.close()
 
 
-CLIENT = """
-    import sys, jax, jax.numpy as jnp, numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
-    devices = jax.devices()
-    x = jax.device_put(np.arange(24, dtype=np.float32).reshape(4, 6), devices[0])
-    y = jax.jit(lambda a: jnp.sin(a) * 2 + a.sum())(x)
-    mesh = jax.sharding.Mesh(np.array(devices[:2]), ("d",))
-    s = jax.device_put(np.ones((4, 6), np.int32), NamedSharding(mesh, P("d")))
-    r = jax.device_put(np.ones((3,), np.float32), NamedSharding(mesh, P()))
-    shard = np.asarray(s.addressable_shards[1].data)
-    z = jax.jit(lambda a, b: (a + 1, b.sum()), donate_argnums=0)(s, r)
-    moved = jax.device_put(y, devices[1])
-    parts = [np.asarray(v) for v in (y, moved, *z)]
-    assert shard.tolist() == [[1] * 6] * 2, shard
-    want = np.sin(np.arange(24, dtype=np.float32).reshape(4, 6)) * 2 + 276
-    assert np.allclose(parts[0], want) and np.allclose(parts[1], want), parts[0]
-    assert parts[2].tolist() == [[2] * 6] * 4 and float(parts[3]) == 3.0, parts[2:4]
-    print("client ok")
-"""
+CLIENTS = Path(__file__).with_name("clients")
+CLIENT = CLIENTS / "fuzz_ordinary_programs.py"
+COLOCATED_CLIENT = CLIENTS / "fuzz_colocated_programs.py"
 
 
-# What a client of colocated Python sends: an unspecialized function (three programs, one a string
-# result), a specialized one, a class's method.
-COLOCATED_CLIENT = """
-    import numpy as np, jax
-    from jax.experimental import colocated_python as cp
-    cpus = cp.colocated_cpu_devices(jax.devices())
-    x = jax.device_put(np.arange(4, dtype=np.float32), cpus[0])
-    doubled = cp.colocated_python(lambda x: {"y": x * 2})(x)
-    plus_one = cp.colocated_python(lambda x: x + 1).specialize(out_specs_fn=lambda x: x)(x)
-
-    @cp.colocated_python_class
-    class Total:
-        def __init__(self):
-            self.total = 0.0
-
-        def add(self, x):
-            self.total += float(np.asarray(x).sum())
-            return jax.device_put(np.float32(self.total), x.sharding)
-
-    total = Total().add(x)
-    assert np.asarray(doubled["y"]).tolist() == [0, 2, 4, 6], doubled
-    assert np.asarray(plus_one).tolist() == [1, 2, 3, 4] and float(np.asarray(total)) == 6.0
-    print("client ok")
-"""
-
-
-# Traces every server process once (each loads its profiler on its first trace, and keeps it).
-WARM_PROFILERS = """
-    import tempfile
-    with tempfile.TemporaryDirectory() as logdir, pathways_nb.profile(logdir, progress=False):
-        jax.jit(lambda a: a * 2)(x).block_until_ready()
-    print("profiled")
-"""
-
-
-def _run_client(address: str, stock: bool, script: str = CLIENT, token: str | None = None) -> str:
-    """Runs ``script`` against ``address``: with JAX's variables only (stock) or via ``pathways_nb.connect``
-    (with the cluster's ``token``, which reading its profiles needs)."""
+def _run_client(
+    address: str, stock: bool, script: Path = CLIENT, token: str | None = None, warm_profilers: bool = False
+) -> str:
+    """Runs the client ``script`` against ``address``: with JAX's variables only (stock) or via
+    ``pathways_nb.connect`` (with the cluster's ``token``, which reading its profiles needs; and, with
+    ``warm_profilers``, a trace of every server process afterwards)."""
     if stock:
         env = {"JAX_PLATFORMS": "proxy,cpu", "JAX_BACKEND_TARGET": address}
         env["IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS"] = "true"
-        process = testing.python_process(script, env=env)
+        process = testing.python_script(script, env=env)
     else:
-        connect = "import sys, pathways_nb\npathways_nb.connect(sys.argv[1])\n"
         env = {TOKEN_ENV: token} if token else None
-        process = testing.python_process(connect + textwrap.dedent(script), address, env=env)
+        process = testing.python_script(script, address, *(["--warm_profilers"] if warm_profilers else []), env=env)
     out, err = process.communicate(timeout=180)
     assert process.returncode == 0 and "client ok" in out, f"client failed:\n{out}\n{err[-4000:]}"
     return out
@@ -834,7 +785,7 @@ def _fuzz_and_check(
     pids = [psutil.Process(p.process.pid) for p in processes]
     earlier = testing.open_sessions(address, token)  # (this process's own, if a test before connected it)
     # Warm: what a first client loads stays loaded, the profilers that the fuzzer's traces start too.
-    _run_client(address, stock=False, script=CLIENT + WARM_PROFILERS, token=token)
+    _run_client(address, stock=False, token=token, warm_profilers=True)
     testing.wait_until_sessions_end(address, token, besides=earlier)
     before = _rss(pids)
     started = time.monotonic()

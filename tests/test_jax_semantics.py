@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import warnings
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -14,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from pathways_nb.core.convert import output_shardings
 from pathways_nb.launch.local_cluster import LocalCluster
 from pathways_nb.protocol import op_sharding, schema
-from pathways_nb.testing import python_process
+from pathways_nb.testing import python_script
 
 X = np.arange(64, dtype=np.float32).reshape(8, 8) / 7
 
@@ -93,12 +95,11 @@ def test_an_unreduced_result_keeps_each_devices_partial_sum(both):
 
 
 def test_devices_of_a_one_island_cluster_print_as_local_ones():
-    show = "import sys, jax, pathways_nb; pathways_nb.connect(sys.argv[1]); print(repr(jax.devices()[0]))"
     with LocalCluster(islands=1, devices_per_host=2) as cluster:
-        client = python_process(show, cluster.address)
+        client = python_script(Path(__file__).with_name("clients") / "shows_devices.py", cluster.address)
         out, err = client.communicate(timeout=120)
     assert client.returncode == 0, err[-3000:]
-    assert out.strip() == "CpuDevice(id=0)"
+    assert json.loads(out)["first"] == "CpuDevice(id=0)"
 
 
 def test_unreduced_results_of_both_plain_sharding_formats_are_held_per_device():

@@ -17,7 +17,6 @@ import os
 import pathlib
 import re
 import socket
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -33,7 +32,7 @@ from pathways_nb.deploy import kubernetes
 from pathways_nb.launch.processes import ChildServer
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
-from pathways_nb.testing import python_process
+from pathways_nb.testing import python_script, wait_until
 
 REPOSITORY = pathlib.Path(__file__).resolve().parent.parent
 DOCS_MANIFESTS = REPOSITORY / "docs" / "kubernetes"
@@ -264,14 +263,13 @@ def cluster_state(pods: list[Pod], token: str) -> pb.ClusterState:
 
 def wait_for_workers(pods: list[Pod], token: str, healthy: set[tuple[int, int]], timeout_s: float = 60) -> list:
     """The resource manager's workers once exactly ``healthy`` (island, host) pairs are healthy."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        workers = cluster_state(pods, token).workers
-        if {(w.island, w.host_index) for w in workers if w.healthy} == healthy:
-            return list(workers)
-        if time.monotonic() > deadline:
-            raise AssertionError(f"healthy workers {[(w.island, w.host_index, w.healthy) for w in workers]}")
-        time.sleep(0.1)
+    return wait_until(
+        lambda: list(cluster_state(pods, token).workers),
+        timeout_s,
+        f"exactly the workers {sorted(healthy)} healthy",
+        holds=lambda workers: {(w.island, w.host_index) for w in workers if w.healthy} == healthy,
+        interval_s=0.1,
+    )
 
 
 # -- the schemas -----------------------------------------------------------------------------
@@ -507,41 +505,13 @@ def test_the_token_is_kept_when_deploying_again(tmp_path):
 
 # -- the processes ---------------------------------------------------------------------------
 
-CLIENT = """
-import json, sys
-import jax, numpy as np
-import pathways_nb
-
-pathways_nb.connect(sys.argv[1], timeout_s=60, progress=False)
-results = {}
-for island in map(int, sys.argv[2].split(",")):
-    device = next(d for d in jax.devices() if d.slice_index == island)
-    x = jax.device_put(np.arange(8, dtype=np.float32), device)
-    results[island] = float(jax.jit(lambda v: (v * v).sum())(x))
-print(json.dumps({"devices": len(jax.devices()), "results": results}))
-pathways_nb.disconnect()
-"""
+CLIENTS = pathlib.Path(__file__).with_name("clients")
 
 
-# One program over every device of an island of several hosts: each host runs its part, psum across them.
-ISLAND_CLIENT = """
-import json, sys
-import jax, numpy as np
-import pathways_nb
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
-pathways_nb.connect(sys.argv[1], timeout_s=60, progress=False)
-x = jax.device_put(np.arange(8, dtype=np.float32), NamedSharding(Mesh(np.array(jax.devices()), ("x",)), P("x")))
-total = float(jax.jit(lambda v: (v * v).sum())(x))
-print(json.dumps({"hosts": sorted({d.host_index for d in jax.devices()}), "results": total}))
-pathways_nb.disconnect()
-"""
-
-
-def run_client(proxy: Pod, token: str, islands: str, program: str = CLIENT) -> dict:
+def run_client(proxy: Pod, token: str, islands: str, program: str = "sums_on_islands.py") -> dict:
     address = f"grpc://127.0.0.1:{proxy.ports[kubernetes.PROXY_PORT]}"
     # As docs/kubernetes.md says: the token from the Secret, for the cluster's views.
-    client = python_process(program, address, islands, env={"PATHWAYS_CLUSTER_TOKEN": token})
+    client = python_script(CLIENTS / program, address, islands, env={"PATHWAYS_CLUSTER_TOKEN": token})
     out, err = client.communicate(timeout=180)
     assert client.returncode == 0, err[-3000:]
     return json.loads(out.strip().splitlines()[-1])
@@ -579,4 +549,4 @@ def test_an_island_of_two_hosts_registers_and_runs_one_program_across_them(tmp_p
         workers = wait_for_workers(pods, token_of(objects), {(0, 0), (0, 1)})
         assert sorted(list(w.device_ids) for w in workers) == [[0, 1], [2, 3]]
         (proxy,) = [p for p in pods if p.replicated_job == "proxy"]
-        assert run_client(proxy, token_of(objects), "0", ISLAND_CLIENT) == {"hosts": [0, 1], "results": 140.0}
+        assert run_client(proxy, token_of(objects), "0", "sum_across_hosts.py") == {"hosts": [0, 1], "results": 140.0}

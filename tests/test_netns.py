@@ -23,10 +23,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import textwrap
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import psutil
 import pytest
@@ -35,12 +34,13 @@ from pathways_nb.core import security
 from pathways_nb.launch.processes import ChildServer
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
-from pathways_nb.testing import python_process
+from pathways_nb.testing import python_script, wait_until
 
 HOSTS = 2
 DEVICES_PER_HOST = 2
 COORDINATOR_PORT = 29476  # any port: nothing else listens in a fresh namespace
 PREFIX = "pwnb-"
+CLIENTS = Path(__file__).with_name("clients")
 
 
 def _ip(*args: str) -> None:
@@ -235,40 +235,8 @@ def cluster(network: Network) -> Iterator[Cluster]:
         assert not [pid for pid in pids if psutil.pid_exists(pid)], "a cluster process outlived its teardown"
 
 
-SPMD = """
-    import json, sys, jax, jax.numpy as jnp, numpy as np, pathways_nb
-    from functools import partial
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from jax.experimental.shard_map import shard_map
-    jax.config.update("jax_num_cpu_devices", 4)
-    pathways_nb.connect(sys.argv[1], token=sys.argv[2])
-    x = np.arange(64, dtype=np.float32).reshape(8, 8) % 13
-
-    def programs(devices):
-        mesh = Mesh(np.array(devices), ("x",))
-        rows = NamedSharding(mesh, P("x"))
-        a = jax.device_put(x, rows)
-        smap = partial(shard_map, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
-        ring = [(i, (i + 1) % 4) for i in range(4)]
-        return {
-            "put_and_read": a,
-            "psum": jax.jit(smap(lambda v: jax.lax.psum(v, "x")))(a),
-            "ppermute": jax.jit(smap(lambda v: jax.lax.ppermute(v, "x", ring)))(a),
-            "sharded_reduction": jax.jit(lambda v: jnp.sum(v, axis=0) + jnp.max(v))(a),
-            "reshard": jax.device_put(a, NamedSharding(mesh, P(None, "x"))),
-        }
-
-    proxy = jax.devices("proxy")
-    remote = {k: np.asarray(v) for k, v in programs(proxy).items()}
-    local = {k: np.asarray(v) for k, v in programs(jax.devices("cpu")).items()}
-    report = {k: bool(np.array_equal(remote[k], local[k])) and remote[k].dtype == local[k].dtype for k in local}
-    report["hosts"] = sorted({d.host_index for d in proxy})
-    print(json.dumps(report))
-"""
-
-
 def test_spmd_programs_across_namespaced_hosts_equal_local_jax(cluster: Cluster):
-    client = python_process(SPMD, cluster.proxy.address, cluster.token)
+    client = python_script(CLIENTS / "netns_spmd_equals_local.py", cluster.proxy.address, cluster.token)
     try:
         out, err = client.communicate(timeout=240)
     finally:
@@ -283,13 +251,6 @@ def test_spmd_programs_across_namespaced_hosts_equal_local_jax(cluster: Cluster)
     assert direct, "host 1 has no connection to host 0 but the coordinator's"
 
 
-CONNECTIONS = """
-    import json, psutil, sys
-    print(json.dumps([[c.laddr.ip, c.laddr.port, c.raddr.ip if c.raddr else "", c.raddr.port if c.raddr else 0,
-                       c.status] for c in psutil.Process(int(sys.argv[1])).net_connections(kind="inet")]))
-"""
-
-
 @dataclass(frozen=True)
 class Connection:
     local: str
@@ -302,7 +263,7 @@ class Connection:
 def _connections(child: ChildServer) -> list[Connection]:
     """A child's TCP sockets, seen from inside its namespace (psutil reads the caller's namespace's /proc/net)."""
     seen = subprocess.run(
-        [*child.prefix, sys.executable, "-c", textwrap.dedent(CONNECTIONS), str(child.process.pid)],
+        [*child.prefix, sys.executable, str(CLIENTS / "inet_connections.py"), str(child.process.pid)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -347,12 +308,14 @@ def _worker_state(cluster: Cluster, worker_id: str) -> pb.WorkerState | None:
     return next((w for w in cluster.state().workers if w.worker_id == worker_id), None)
 
 
-def _wait_for_worker(cluster: Cluster, worker_id: str, condition, timeout_s: float) -> pb.WorkerState:
-    deadline = time.monotonic() + timeout_s
-    while not ((state := _worker_state(cluster, worker_id)) is not None and condition(state)):
-        assert time.monotonic() < deadline, f"{worker_id} after {timeout_s} s: {state}"
-        time.sleep(0.05)
-    return state
+def _wait_for_worker(cluster: Cluster, worker_id: str, what: str, condition, timeout_s: float) -> pb.WorkerState:
+    """The state of ``worker_id`` once ``condition`` holds of it (``what``, in words)."""
+    return wait_until(
+        lambda: _worker_state(cluster, worker_id),
+        timeout_s,
+        f"{worker_id} {what}",
+        holds=lambda state: state is not None and condition(state),
+    )
 
 
 def test_a_host_whose_network_is_cut_is_found_unhealthy_and_is_back_when_it_returns(cluster: Cluster):
@@ -360,16 +323,16 @@ def test_a_host_whose_network_is_cut_is_found_unhealthy_and_is_back_when_it_retu
     stop, as when a machine vanishes. Only the resource manager's keepalive ping can tell. Run last: the
     island's distributed runtime rides out a cut this short (its own time-out is 10 s)."""
     worker_id = "island0-host1"
-    before = _wait_for_worker(cluster, worker_id, lambda w: w.healthy and w.attached, 30)
+    before = _wait_for_worker(cluster, worker_id, "healthy and attached", lambda w: w.healthy and w.attached, 30)
     link = f"pw{cluster.network.tag}r1"
     _ip("link", "set", link, "down")
     try:
         # The bound is the worker time-out (3 s); the deadline leaves room for a loaded machine.
-        found = _wait_for_worker(cluster, worker_id, lambda w: not w.healthy, 15)
+        found = _wait_for_worker(cluster, worker_id, "unhealthy", lambda w: not w.healthy, 15)
         assert "stream to the resource manager ended" in found.down_reason, found
         assert _worker_state(cluster, "island0-host0").healthy
     finally:
         _ip("link", "set", link, "up")
     # The worker notices its stream is gone (its own pings to the resource manager) and registers again.
-    back = _wait_for_worker(cluster, worker_id, lambda w: w.healthy and w.attached, 60)
+    back = _wait_for_worker(cluster, worker_id, "healthy and attached", lambda w: w.healthy and w.attached, 60)
     assert (back.pid, back.incarnation) == (before.pid, before.incarnation)

@@ -10,6 +10,7 @@ and through a real server, which must keep serving afterwards.
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import grpc
 import jax
@@ -387,46 +388,12 @@ def test_program_output_shardings_are_read_without_xla():
         convert.output_shardings((tiled, OpSharding(type=op_sharding.MANUAL).SerializeToString()), (4, 5), 2)
 
 
-WORKER_RUNTIME = """
-    import numpy as np
-    from pathways_nb.protocol import schema
-    from pathways_nb.protocol.errors import RequestError
-    from pathways_nb.protocol.shardings import IfrtSharding
-    from pathways_nb.worker.runtime import LocalRuntime
-
-    runtime = LocalRuntime("cpu", 4)
-    OpSharding = schema.load().xla.OpSharding
-    tiled = OpSharding(type=3, tile_assignment_dimensions=[2, 2], iota_reshape_dims=[4], iota_transpose_perm=[0])
-    named = OpSharding(type=3)
-    named.named_sharding.mesh.axes.add(name="x", size=2)
-    named.named_sharding.dim_shardings.add().axes.add(mesh_axis_index=0)
-    bad = {
-        "empty": IfrtSharding(()),
-        "empty tiled": IfrtSharding((), None, tiled.SerializeToString()),
-        "count": IfrtSharding((0, 1), None, tiled.SerializeToString()),
-        "named": IfrtSharding((0, 1), None, named.SerializeToString()),
-        "memory": IfrtSharding((0, 1), "hbm"),
-        "twice": IfrtSharding((0, 0)),
-        "unknown": IfrtSharding((0, 9)),
-    }
-    for name, sharding in bad.items():
-        for method in (runtime.check_sharding, runtime.jax_sharding):
-            try:
-                method(sharding)
-            except RequestError as e:
-                print(f"{name}|{type(e).__name__} {e.message}")
-            else:
-                print(f"{name}|accepted")
-    good = IfrtSharding((3, 2, 1, 0), None, tiled.SerializeToString())
-    array = runtime.put(np.arange(16, dtype=np.float32).reshape(4, 4), good)
-    placed = {shard.device.id: shard.index for shard in array.addressable_shards}
-    print(f"good|{placed == dict(zip(good.device_ids, good.shard_indices((4, 4))))}")
-"""
+WORKER_RUNTIME = Path(__file__).with_name("clients") / "worker_runtime_bad_shardings.py"
 
 
 def test_the_worker_runtime_refuses_bad_shardings_before_xla_sees_them():
     """LocalRuntime (the workers' and the single-process proxy's) checks in Python first; XLA would abort."""
-    process = testing.python_process(WORKER_RUNTIME)
+    process = testing.python_script(WORKER_RUNTIME)
     out, err = process.communicate(timeout=120)
     assert process.returncode == 0, err[-3000:]
     results: dict[str, list[str]] = {}

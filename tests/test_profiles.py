@@ -10,7 +10,6 @@ from __future__ import annotations
 import gzip
 import json
 import re
-import time
 import uuid
 from pathlib import Path
 
@@ -21,55 +20,9 @@ from jax import numpy as jnp
 from jax.profiler import ProfileData
 from pathwaysutils.plugin_executable import PluginExecutable
 
-from pathways_nb.testing import KernelSession, python_process
+from pathways_nb.testing import KernelSession, python_script, wait_until
 
-PATHWAYSUTILS = """
-    import json, sys, jax, jax.numpy as jnp, numpy as np
-    import pathwaysutils
-    from pathwaysutils import profiling
-    from pathwaysutils.plugin_executable import PluginExecutable
-
-    storage = sys.argv[1]
-    original = profiling._original_start_trace
-    # The client's own export goes where the cluster's gs://bucket is (offline, jaxlib cannot write gs://).
-    profiling._original_start_trace = lambda log_dir, **kw: original(str(log_dir).replace("gs://", storage + "/"), **kw)
-    pathwaysutils.initialize()
-
-    devices = jax.devices()
-    firsts = [next(d for d in devices if d.slice_index == i) for i in (0, 1)]
-    step = jax.jit(lambda x: jnp.tanh(x @ x))
-    xs = [jax.device_put(np.full((128, 128), 0.01, np.float32), d) for d in firsts]
-    jax.block_until_ready([step(x) for x in xs])
-    report = {}
-
-    def train():
-        global xs
-        for _ in range(4):
-            xs = [step(x) for x in xs]
-        jax.block_until_ready(xs)
-
-    options = jax.profiler.ProfileOptions()
-    options.session_id = "first"
-    jax.profiler.start_trace("gs://bucket/run", max_num_hosts=2, profiler_options=options)
-    try:
-        jax.profiler.start_trace("gs://bucket/run", max_num_hosts=2)
-    except RuntimeError as error:
-        report["double_start"] = str(error)
-    # Another executable (another tenant's, say) cannot start a second trace on the same hosts.
-    other = PluginExecutable(json.dumps({"profileRequest": {"traceLocation": "gs://bucket/other", "maxNumHosts": 2}}))
-    try:
-        other.call()[1].result()
-    except Exception as error:
-        report["second_start"] = str(error)
-    train()
-    jax.profiler.stop_trace()
-
-    options = jax.profiler.ProfileOptions()
-    options.session_id = "second"
-    with jax.profiler.trace("gs://bucket/run", max_num_hosts=2, profiler_options=options):
-        train()
-    print(json.dumps(report), flush=True)
-"""
+PATHWAYSUTILS = Path(__file__).with_name("clients") / "pathwaysutils_profiles.py"
 
 
 def _xla_ops(path: Path) -> dict[int, set[str]]:
@@ -85,7 +38,7 @@ def _xla_ops(path: Path) -> dict[int, set[str]]:
 
 
 def test_pathwaysutils_profiles_every_worker_into_one_session_directory(cluster):
-    client = python_process(
+    client = python_script(
         PATHWAYSUTILS,
         cluster.storage_root,
         env={"JAX_PLATFORMS": "proxy", "JAX_BACKEND_TARGET": cluster.address},
@@ -135,10 +88,7 @@ def test_max_duration_stops_the_trace_by_itself(backend, connected):
     executable = PluginExecutable(_request(f"gs://bucket/{run}", maxDurationSecs=0.5))
     _execute(executable)
     written = Path(backend.storage_root) / "bucket" / run / "plugins" / "profile" / "s" / "island0-host0.xplane.pb"
-    deadline = time.monotonic() + 60
-    while not written.exists():
-        assert time.monotonic() < deadline, f"{written} was not written after maxDurationSecs"
-        time.sleep(0.1)
+    wait_until(written.exists, 60, f"{written} written after maxDurationSecs", interval_s=0.1)
     assert _execute(executable) == str(written.resolve())  # the stop reports what was written
     assert _execute(executable).startswith("tracing")  # and the next execution starts again
     _execute(executable)

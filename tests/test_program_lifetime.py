@@ -9,7 +9,7 @@ the worker's names of programs, so those of two proxies must never meet.
 
 from __future__ import annotations
 
-import time
+from pathlib import Path
 
 import pytest
 
@@ -19,38 +19,12 @@ from pathways_nb.proxy.cluster_runtime import ClusterRuntime
 from pathways_nb.proxy.context import ProxyLimits
 from pathways_nb.proxy.server import ProxyServer
 from pathways_nb.rpc import cluster_pb2 as pb
-from pathways_nb.testing import python_process
+from pathways_nb.testing import python_script, wait_until
 
-# Both clients compile ``SHARED`` (the same program: one compile, shared through the proxy's cache).
-CLIENT = """
-    import gc, sys, jax, numpy as np, pathways_nb
-    address, token, churn = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    pathways_nb.connect(address, token=token)
-    x = jax.device_put(np.arange(8, dtype=np.float32), jax.devices()[0])
-
-    def shared():
-        return jax.jit(lambda v: v * 3 + 1).lower(x).compile()
-
-    def step(i):
-        return jax.jit(lambda v: v * 2 + i).lower(x).compile()  # a distinct program for each i
-
-    kept = shared()
-    print(np.asarray(kept(x)).tolist(), flush=True)
-    for i in range(churn):
-        assert np.asarray(step(i)(x)).tolist() == (np.arange(8) * 2 + i).tolist()
-    gc.collect()
-    print("churned", flush=True)
-    for command in iter(sys.stdin.readline, ""):
-        if command.strip() == "run":
-            print(np.asarray(kept(x)).tolist(), flush=True)
-        elif command.strip() == "drop":
-            del kept
-            gc.collect()
-            print("dropped", flush=True)
-        elif command.strip() == "recompile":
-            kept = shared()
-            print(np.asarray(kept(x)).tolist(), flush=True)
-"""
+CLIENTS = Path(__file__).with_name("clients")
+# Both clients compile the same program first (one compile, shared through the proxy's cache).
+CLIENT = CLIENTS / "compiles_and_churns_programs.py"
+KEEP = CLIENTS / "keeps_a_compiled_program.py"
 EXPECTED = str([float(v * 3 + 1) for v in range(8)])
 CACHE = 2
 
@@ -85,14 +59,13 @@ def _held(runtime: ClusterRuntime, first_id: int) -> set[int]:
 
 def _settled(runtime: ClusterRuntime, first_id: int, done, timeout_s: float = 30) -> set[int]:
     """What the worker holds once ``done(held)`` (the client's destructs take a moment to arrive)."""
-    deadline = time.monotonic() + timeout_s
-    while not done(held := _held(runtime, first_id)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return held
+    return wait_until(
+        lambda: _held(runtime, first_id), timeout_s, "the programs the worker holds settled", holds=done, interval_s=0.2
+    )
 
 
 def _client(cluster: LocalCluster, server: ProxyServer, churn: int):
-    client = python_process(CLIENT, server.address, cluster.token, str(churn))
+    client = python_script(CLIENT, server.address, cluster.token, str(churn))
     assert client.stdout.readline().strip() == EXPECTED, client.stderr.read()[-3000:]
     assert client.stdout.readline().strip() == "churned", client.stderr.read()[-3000:]
     return client
@@ -140,19 +113,6 @@ def test_destroyed_programs_are_forgotten_and_programs_in_use_are_not(served):
                 pipe.close()
 
 
-# Compiles ``v * factor`` and keeps it; runs it again on each line of input.
-KEEP = """
-    import sys, jax, numpy as np, pathways_nb
-    address, token, factor = sys.argv[1], sys.argv[2], float(sys.argv[3])
-    pathways_nb.connect(address, token=token)
-    x = jax.device_put(np.arange(4, dtype=np.float32), jax.devices()[0])
-    kept = jax.jit(lambda v: v * factor).lower(x).compile()
-    print(np.asarray(kept(x)).tolist(), flush=True)
-    for _line in iter(sys.stdin.readline, ""):
-        print(np.asarray(kept(x)).tolist(), flush=True)
-"""
-
-
 def test_two_proxies_programs_on_one_worker_stay_apart(served):
     """Each proxy names its programs on the workers; the names of two proxies never meet."""
     cluster, _server, _runtime = served
@@ -163,7 +123,7 @@ def test_two_proxies_programs_on_one_worker_stay_apart(served):
     clients = []
     try:
         for factor, server in zip((5, 7), servers, strict=True):
-            clients.append(python_process(KEEP, server.address, cluster.token, str(factor)))
+            clients.append(python_script(KEEP, server.address, cluster.token, str(factor)))
             expected = str([float(v * factor) for v in range(4)])
             assert clients[-1].stdout.readline().strip() == expected, clients[-1].stderr.read()[-3000:]
         for factor, client in zip((5, 7), clients, strict=True):

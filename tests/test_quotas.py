@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -26,6 +27,7 @@ from pathways_nb.proxy.host_buffers import HostBuffers
 from pathways_nb.testing import WireSession
 
 MIB = 1 << 20
+CLIENTS = Path(__file__).with_name("clients")
 HOST_LIMIT = 64 * MIB
 DEVICE_LIMIT = 32 * MIB
 F32 = dtypes.from_numpy(np.dtype(np.float32))
@@ -176,49 +178,8 @@ def test_a_session_that_ends_gives_its_quota_back(limited):
         second.store_host_buffer(1, b"\x00" * (50 * MIB))
 
 
-DEVICE_CLIENT = """
-    import sys, json, jax, jax.numpy as jnp, numpy as np, pathways_nb
-    pathways_nb.connect(sys.argv[1])
-    MIB = 1 << 20
-    report = {}
-    held = [jax.device_put(np.full((2 * MIB,), i, np.float32)) for i in range(4)]  # 4 x 8 MiB: at the limit
-    print(json.dumps({"sums": [float(np.asarray(x)[0]) for x in held]}), flush=True)
-    over = jax.device_put(np.ones((2 * MIB,), np.float32))
-    try:
-        np.asarray(over)
-        report["over"] = "no error"
-    except jax.errors.JaxRuntimeError as e:
-        report["over"] = str(e)
-    try:
-        np.asarray(jax.jit(lambda: jnp.zeros((MIB,), jnp.float32))())
-        report["program"] = "no error"
-    except jax.errors.JaxRuntimeError as e:
-        report["program"] = str(e)
-    sys.stdin.readline()  # the test checks another session meanwhile
-    for x in held[:2]:
-        x.delete()
-    again = jax.device_put(np.full((2 * MIB,), 7, np.float32))
-    report["after_delete"] = float(jnp.sum(again[:4]))
-    print(json.dumps(report), flush=True)
-"""
-
-
-HOST_CLIENT = """
-    import sys, json, jax, numpy as np, pathways_nb
-    pathways_nb.connect(sys.argv[1])
-    report = {}
-    try:
-        np.asarray(jax.device_put(np.ones((20 << 20,), np.float32)))    # an 80 MiB upload: over 64 MiB
-        report["over"] = "no error"
-    except jax.errors.JaxRuntimeError as e:
-        report["over"] = str(e)
-    report["after"] = float(np.asarray(jax.device_put(np.full((4,), 3, np.float32))).sum())  # the session lives
-    print(json.dumps(report))
-"""
-
-
 def test_a_client_over_its_host_buffer_quota_gets_resource_exhausted_and_its_session_lives(limited):
-    client = testing.python_process(HOST_CLIENT, limited.address)
+    client = testing.python_script(CLIENTS / "over_host_buffer_quota.py", limited.address)
     out, err = client.communicate(timeout=120)
     assert client.returncode == 0, err[-4000:]
     report = json.loads(out.splitlines()[-1])
@@ -228,7 +189,7 @@ def test_a_client_over_its_host_buffer_quota_gets_resource_exhausted_and_its_ses
 
 
 def test_a_client_over_its_device_memory_gets_resource_exhausted_and_can_go_on(limited):
-    client = testing.python_process(DEVICE_CLIENT, limited.address)
+    client = testing.python_script(CLIENTS / "over_device_quota.py", limited.address)
     try:
         first = client.stdout.readline()
         assert first, client.stderr.read()[-4000:]

@@ -27,6 +27,7 @@ from pathways_nb.rm.service import SERVICE_NAME, ResourceManagerService
 from pathways_nb.rm.topology import Topology
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
+from pathways_nb.testing import wait_until
 
 
 def _request(island: int, host: int = 0, devices: int = 4, port: int | None = None, pid: int = 100):
@@ -389,13 +390,6 @@ def _worker(stub: cluster_pb2_grpc.ResourceManagerStub, worker_id: str) -> pb.Wo
     return next(w for w in state.workers if w.worker_id == worker_id)
 
 
-def _wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
-        time.sleep(0.02)
-
-
 def _holds(condition: Callable[[], bool], for_s: float) -> bool:
     """Whether ``condition`` stays true for ``for_s`` seconds (polled)."""
     deadline = time.monotonic() + for_s
@@ -432,7 +426,7 @@ def test_an_attached_worker_lives_by_its_open_stream_without_a_message(resource_
     assert state.attached and state.heartbeat_age_s == 0.0
 
     worker.report(pb.WorkerLoad(sessions=2, arrays=3, array_bytes=96))
-    _wait_until(lambda: _worker(stub, "island1-host0").load.arrays == 3, 10, "the load report")
+    wait_until(lambda: _worker(stub, "island1-host0"), 10, "the load report", holds=lambda w: w.load.arrays == 3)
     seen = []
     while not any(w.load.arrays == 3 for w in seen):
         update = next(deltas)
@@ -441,7 +435,9 @@ def test_an_attached_worker_lives_by_its_open_stream_without_a_message(resource_
         assert not update.devices or any(not w.load.arrays for w in update.workers)
 
     worker.close()  # the worker stops: its stream ends
-    _wait_until(lambda: not _worker(stub, "island1-host0").healthy, 10, "unhealthy once its stream ended")
+    wait_until(
+        lambda: _worker(stub, "island1-host0"), 10, "unhealthy once its stream ended", holds=lambda w: not w.healthy
+    )
     assert "stream to the resource manager ended" in _worker(stub, "island1-host0").down_reason
     again = _Attached(stub, _request(1, devices=2))  # registering again on a new stream: healthy again
     assert again.first.registration.incarnation == 1001
@@ -497,7 +493,7 @@ def test_load_reports_never_wake_a_waiting_allocation(resource_manager):
     assert updates.get(timeout=10).HasField("waiting")
     for arrays in range(1, 21):
         worker.report(pb.WorkerLoad(arrays=arrays))
-    _wait_until(lambda: _worker(stub, "island0-host0").load.arrays == 20, 10, "the load reports")
+    wait_until(lambda: _worker(stub, "island0-host0"), 10, "the load reports", holds=lambda w: w.load.arrays == 20)
     assert updates.empty()  # each wake-up would have sent the waiting request another update
     holder.cancel()
     while not (update := updates.get(timeout=10)).HasField("granted"):
@@ -539,10 +535,15 @@ def test_a_worker_registers_and_heartbeats_with_a_resource_manager_without_attac
             # Alive by its heartbeats, for two time-outs.
             assert _holds(lambda: _worker(stub, "island0-host0").healthy, 2 * 3.0)
             worker.process.send_signal(signal.SIGSTOP)  # silent: found dead by its missed heartbeats
-            _wait_until(lambda: not _worker(stub, "island0-host0").healthy, 30, "the silent worker found dead")
+            wait_until(
+                lambda: _worker(stub, "island0-host0"),
+                30,
+                "the silent worker found dead",
+                holds=lambda w: not w.healthy,
+            )
             assert "missed its heartbeats" in _worker(stub, "island0-host0").down_reason
             worker.process.send_signal(signal.SIGCONT)
-            _wait_until(lambda: _worker(stub, "island0-host0").healthy, 30, "the worker back")
+            wait_until(lambda: _worker(stub, "island0-host0"), 30, "the worker back", holds=lambda w: w.healthy)
     finally:
         if worker.process is not None:
             worker.process.send_signal(signal.SIGCONT)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from pathlib import Path
 
 import grpc
 import pytest
@@ -17,8 +18,10 @@ from pathways_nb.launch.local_cluster import LocalCluster
 from pathways_nb.launch.processes import ChildServer
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
-from pathways_nb.testing import python_process
+from pathways_nb.testing import python_script
 from pathways_nb.testing.tls import certificates
+
+CLIENT = Path(__file__).with_name("clients") / "holds_a_session_with_the_token.py"
 
 
 @pytest.fixture(scope="module")
@@ -95,25 +98,10 @@ def test_children_get_the_token_in_their_environment_and_never_print_it(secured)
         assert child.env[security.TOKEN_ENV] == secured.token
 
 
-# Connects with the token (as tenant argv[3]), runs a jit, reports, and holds its session until stdin closes.
-CLIENT = """
-    import json, os, sys, jax, jax.numpy as jnp, numpy as np, pathways_nb
-    session = pathways_nb.connect(sys.argv[1], token=sys.argv[2], tenant=sys.argv[3])
-    result = jax.jit(lambda x: jnp.sin(x) * 2)(np.arange(4, dtype=np.float32))
-    print(json.dumps({
-        "result": np.asarray(result).tolist(),
-        "workers": len(session.state().workers),
-        "secret": session.secret,
-    }), flush=True)
-    sys.stdin.read()
-    os._exit(0)
-"""
-
-
 @pytest.fixture(scope="module")
 def clients(secured):
     """Two stock JAX clients connected to ``secured``, tenants alice and bob, with what they reported."""
-    processes = {tenant: python_process(CLIENT, secured.address, secured.token, tenant) for tenant in ("alice", "bob")}
+    processes = {tenant: python_script(CLIENT, secured.address, secured.token, tenant) for tenant in ("alice", "bob")}
     reports = {}
     try:
         for tenant, process in processes.items():

@@ -10,8 +10,8 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -49,17 +49,8 @@ def test_a_burst_of_signals_stops_a_server_once_and_cleanly(signum):
 def test_a_server_stops_when_its_launcher_is_killed(tmp_path):
     """A launcher killed without stopping its children (SIGKILL, os._exit) takes its servers with it."""
     pid_file = tmp_path / "pid"
-    launcher = textwrap.dedent(
-        f"""
-        import os
-        from pathways_nb.launch.processes import ChildServer
-        server = ChildServer("proxy", {PROXY!r})
-        server.start()
-        open({str(pid_file)!r}, "w").write(str(server.process.pid))
-        os._exit(9)
-        """
-    )
-    subprocess.run([sys.executable, "-c", launcher], check=False, timeout=120)
+    launcher = Path(__file__).with_name("clients") / "starts_a_proxy_and_dies.py"
+    subprocess.run([sys.executable, str(launcher), str(pid_file), *PROXY], check=False, timeout=120)
     pid = int(pid_file.read_text())
     assert _gone_within(pid, 15), f"the proxy (pid {pid}) outlived its launcher"
     assert not os.path.exists(f"/proc/{pid}") or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE

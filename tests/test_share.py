@@ -10,67 +10,18 @@ the weights too.
 
 from __future__ import annotations
 
-import time
 import uuid
+from pathlib import Path
 
 import pytest
 
 from pathways_nb.client.observe import Observer
 from pathways_nb.launch.local_cluster import LocalCluster
-from pathways_nb.testing import python_process
+from pathways_nb.testing import python_script, wait_until
 
-BUSY = """
-    import sys, time, jax, jax.numpy as jnp, numpy as np, pathways_nb
-    address, token, tenant = sys.argv[1:4]
-    weight, seconds = float(sys.argv[4]), float(sys.argv[5])
-    pathways_nb.connect(address, token=token, tenant=tenant, weight=weight)
-    device = jax.devices()[0]
-    step = jax.jit(lambda a: jnp.tanh(a @ a) / 700)               # ~10 ms of device time
-    x = jax.device_put(np.ones((700, 700), np.float32), device)
-    outstanding, started = [], time.monotonic()
-    print("ready", flush=True)
-    sys.stdin.readline()
-    while time.monotonic() - started < seconds:
-        outstanding.append(step(x))                                # always some work queued on the island
-        if len(outstanding) > 64:
-            outstanding.pop(0).block_until_ready()
-    for y in outstanding:
-        y.block_until_ready()
-    print("done", flush=True)
-"""
-
-BUSY_ACROSS_HOSTS = """
-    import sys, time, jax, jax.numpy as jnp, numpy as np, pathways_nb
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    address, token, tenant = sys.argv[1:4]
-    weight, seconds, program = float(sys.argv[4]), float(sys.argv[5]), sys.argv[6]
-    pathways_nb.connect(address, token=token, tenant=tenant, weight=weight)
-    mesh = Mesh(np.array(jax.devices()), ("x",))                            # both hosts' devices
-    rows, replicated = NamedSharding(mesh, P("x")), NamedSharding(mesh, P())
-    if program == "all-gather":
-        step = jax.jit(lambda a, w: jnp.tanh(a @ a.T) / 600, out_shardings=rows)  # a cross-host all-gather
-        x, w = jax.device_put(np.ones((600, 600), np.float32), rows), None
-    else:                                                                   # each host its rows, alone
-        x = jax.device_put(np.ones((640, 640), np.float32), rows)
-        w = jax.device_put(np.eye(640, dtype=np.float32) / 2, replicated)
-        step = jax.jit(lambda a, w: jnp.tanh(a @ w @ w @ w), out_shardings=rows)
-    if program == "no collective, host 1 slower":                           # twice the work on host 1
-        def part(a, w):
-            y = jnp.tanh(a @ w @ w @ w)
-            return jax.lax.cond(jax.lax.axis_index("x") == 1, lambda y: jnp.tanh(y @ w @ w @ w), lambda y: y, y)
-        step = jax.jit(jax.shard_map(part, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x")))
-    outstanding, started = [], time.monotonic()
-    print("ready", flush=True)
-    sys.stdin.readline()
-    while time.monotonic() - started < seconds:
-        outstanding.append(step(x, w))                                      # always some work queued
-        if len(outstanding) >= 40:   # a tenant's steps end in order: one wait per 8 (a loaded client keeps up)
-            outstanding[7].block_until_ready()
-            del outstanding[:8]
-    for y in outstanding:
-        y.block_until_ready()
-    print("done", flush=True)
-"""
+CLIENTS = Path(__file__).with_name("clients")
+BUSY = CLIENTS / "share_busy_device.py"
+BUSY_ACROSS_HOSTS = CLIENTS / "share_busy_island_of_two_hosts.py"
 
 
 def _device_time(events, start: float, end: float) -> float:
@@ -78,7 +29,7 @@ def _device_time(events, start: float, end: float) -> float:
     return sum(max(0.0, min(e.end, end) - max(e.start, start)) for e in events)
 
 
-def _share_of_a_busy_island(cluster: LocalCluster, busy: str, *args: str) -> dict:
+def _share_of_a_busy_island(cluster: LocalCluster, busy: Path, *args: str) -> dict:
     """Light's and heavy's device seconds on device 0 and completed steps while both were busy, and every event.
 
     A step is complete once every device of the island has run its part: a tenant's completed
@@ -86,7 +37,7 @@ def _share_of_a_busy_island(cluster: LocalCluster, busy: str, *args: str) -> dic
     """
     run = uuid.uuid4().hex[:6]  # tenants of their own: the cluster may have served others named alike
     clients = {
-        tenant: python_process(busy, cluster.address, cluster.token, f"{tenant}-{run}", str(weight), "15", *args)
+        tenant: python_script(busy, cluster.address, cluster.token, f"{tenant}-{run}", str(weight), "15", *args)
         for tenant, weight in (("light", 1), ("heavy", 3))
     }
     try:
@@ -95,16 +46,38 @@ def _share_of_a_busy_island(cluster: LocalCluster, busy: str, *args: str) -> dic
         for client in clients.values():
             client.stdin.write("go\n")
             client.stdin.flush()
-        for client in clients.values():
-            assert client.stdout.readline().strip() == "done", client.stderr.read()[-3000:]
+        dispatched = {}
+        for tenant, client in clients.items():
+            done, _, count = client.stdout.readline().strip().partition(" ")
+            assert done == "done", client.stderr.read()[-3000:]
+            dispatched[tenant] = int(count)
     finally:
         for client in clients.values():
             client.kill()
             client.communicate()
-    time.sleep(0.5)
     observer = Observer(cluster.address, token=cluster.token)
-    events = {tenant: observer.events(tenant=f"{tenant}-{run}") for tenant in clients}
-    observer.close()
+    try:
+        # Every program the clients ran has an execute event on each device, once the workers' last
+        # events have reached the proxy.
+        island = [device.id for device in observer.state().devices]
+
+        def executions() -> dict[tuple[str, int], int]:
+            ran = {
+                t: [d for e in observer.events(tenant=f"{t}-{run}") if e.kind == "execute" for d in e.device_ids]
+                for t in clients
+            }
+            return {(t, d): ran[t].count(d) for t in clients for d in island}
+
+        wait_until(
+            executions,
+            30,
+            f"an execute event on each device for each program the clients ran ({dispatched})",
+            holds=lambda counts: all(counts[t, d] >= dispatched[t] for t, d in counts),
+            interval_s=0.1,
+        )
+        events = {tenant: observer.events(tenant=f"{tenant}-{run}") for tenant in clients}
+    finally:
+        observer.close()
     # Each device's executions (on two hosts, each host reports its own part of a program).
     devices = sorted({d for evs in events.values() for e in evs if e.kind == "execute" for d in e.device_ids})
     executes = {

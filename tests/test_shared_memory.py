@@ -13,6 +13,7 @@ import os
 import secrets
 import stat
 import time
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -27,6 +28,7 @@ from pathways_nb.protocol import attributes, dtypes, shardings
 MIB = 1 << 20
 HOST_LIMIT = 32 * MIB
 THRESHOLD = tuning.CLIENT_SHARED_MEMORY_BYTES.value
+CLIENTS = Path(__file__).with_name("clients")
 
 
 @pytest.fixture(scope="module")
@@ -50,67 +52,22 @@ def far(tmp_path_factory):
         server.close()
 
 
-def _client(code: str, *args: str, env: dict[str, str] | None = None) -> dict:
-    """Runs ``code`` in a fresh client process; it prints one JSON line, returned here."""
-    process = testing.python_process(code, *args, env=env)
+def _client(script: Path, *args: str, env: dict[str, str] | None = None) -> dict:
+    """Runs the client ``script`` in a fresh process; it prints one JSON line, returned here."""
+    process = testing.python_script(script, *args, env=env)
     stdout, stderr = process.communicate(timeout=240)
     assert process.returncode == 0, stderr[-3000:]
     return json.loads(stdout.strip().splitlines()[-1])
 
 
-_ROUND_TRIPS = """
-import json, os, stat, sys
-import jax, ml_dtypes, numpy as np, pathways_nb
-from jax.sharding import NamedSharding, PartitionSpec
-from pathways_nb.client import jax_plugin
-from pathways_nb.core import tuning
-
-pathways_nb.connect(sys.argv[1])
-directory = os.environ.get(jax_plugin.DIRECTORY_ENV)
-devices = jax.devices("proxy")
-rng = np.random.default_rng(0)
-threshold = tuning.CLIENT_SHARED_MEMORY_BYTES.value
-checked = []
-cases = [
-    (np.float32, (threshold // 4,)),  # exactly the threshold
-    (np.uint8, (threshold - 1,)),  # one byte under it: gRPC
-    (np.int8, (0,)),
-    (ml_dtypes.bfloat16, (1031, 2053)),  # odd, over 4 MiB: several download messages
-    (np.complex64, (3, 700, 301)),
-    (np.bool_, (5 * 2**20 + 3,)),
-    (np.uint16, (2**19 + 1,)),
-]
-for dtype, shape in cases:
-    host = rng.integers(0, 256, int(np.prod(shape)) * np.dtype(dtype).itemsize, dtype=np.uint8).view(dtype)
-    host = host.reshape(shape)
-    if dtype == np.bool_:
-        host = host.view(np.uint8) % 2 == 1
-    on_device = jax.device_put(host, devices[0])
-    back = np.asarray(on_device)
-    assert back.dtype == host.dtype and back.shape == host.shape
-    assert back.tobytes() == host.tobytes(), (dtype, shape)
-    checked.append(str(np.dtype(dtype)))
-    del on_device
-sharded = rng.standard_normal((2048, 1024), dtype=np.float32)
-mesh = jax.make_mesh((2,), ("x",), devices=devices[:2])
-on_two = jax.device_put(sharded, NamedSharding(mesh, PartitionSpec("x")))
-assert np.asarray(on_two).tobytes() == sharded.tobytes()
-assert [s.data.shape for s in on_two.addressable_shards] == [(1024, 1024), (1024, 1024)]
-print(json.dumps({
-    "directory": directory,
-    "threshold": os.environ.get(jax_plugin.THRESHOLD_ENV),
-    "mode": stat.S_IMODE(os.stat(directory).st_mode) if directory else None,
-    "left": sorted(os.listdir(directory)) if directory else None,
-    "checked": checked,
-}))
-"""
+ROUND_TRIPS = CLIENTS / "shm_round_trips.py"
 
 
 def test_uploads_through_shared_memory_are_bitwise_equal_and_leave_no_file(near):
     # As a child of a pathways-nb process would have them: the parent's directory is never used.
     parents = str(shared_memory.private_root() / "ifrt-1-parent")
     inherited = {jax_plugin.DIRECTORY_ENV: parents, jax_plugin.THRESHOLD_ENV: str(THRESHOLD)}
-    result = _client(_ROUND_TRIPS, near.address, env=inherited)
+    result = _client(ROUND_TRIPS, near.address, env=inherited)
     assert result["threshold"] == str(THRESHOLD)
     assert result["directory"] != parents
     assert result["directory"].startswith(str(shared_memory.private_root()))
@@ -121,31 +78,13 @@ def test_uploads_through_shared_memory_are_bitwise_equal_and_leave_no_file(near)
 
 
 def test_a_server_on_another_host_gets_uploads_over_grpc(far):
-    result = _client(_ROUND_TRIPS, far.address)
+    result = _client(ROUND_TRIPS, far.address)
     assert result["directory"] is None and result["threshold"] is None
     assert len(result["checked"]) == 7
 
 
 def test_the_first_connection_decides_and_a_later_one_elsewhere_is_refused_clearly(near, far):
-    result = _client(
-        """
-        import json, sys, jax, numpy as np, pathways_nb
-        pathways_nb.connect(sys.argv[1])
-        pathways_nb.disconnect()
-        pathways_nb.connect(sys.argv[1])  # the same host again: fine
-        x = jax.device_put(np.arange(2**20, dtype=np.float32), jax.devices("proxy")[0])
-        same = bool((np.asarray(x) == np.arange(2**20, dtype=np.float32)).all())
-        pathways_nb.disconnect()
-        try:
-            pathways_nb.connect(sys.argv[2])
-            refused = ""
-        except pathways_nb.ConnectionFailed as error:
-            refused = str(error)
-        print(json.dumps({"same": same, "refused": refused}))
-        """,
-        near.address,
-        far.address,
-    )
+    result = _client(CLIENTS / "shm_first_connection_decides.py", near.address, far.address)
     assert result["same"]
     assert "not on this host" in result["refused"] and "PATHWAYS_SHARED_MEMORY=0" in result["refused"]
 
@@ -166,31 +105,13 @@ def test_a_server_without_the_observe_api_answers_the_probe_at_once():
 
 
 def test_shared_memory_off_keeps_every_upload_on_grpc(near):
-    result = _client(_ROUND_TRIPS, near.address, env={shared_memory.ENABLE_ENV: "0"})
+    result = _client(ROUND_TRIPS, near.address, env={shared_memory.ENABLE_ENV: "0"})
     assert result["directory"] is None and len(result["checked"]) == 7
 
 
 def test_an_uploaded_mapping_is_the_device_array_and_goes_with_it(near):
     """Zero copies on the server: the device array aliases the mapped file, and deleting it unmaps it."""
-    result = _client(
-        """
-        import json, sys, time, jax, numpy as np, pathways_nb
-        pathways_nb.connect(sys.argv[1])
-        maps = f"/proc/{sys.argv[2]}/maps"
-        def mapped():
-            return sum("/lt_" in line or "/kept-" in line for line in open(maps))  # the upload's file, kept or not
-        x = jax.device_put(np.ones(4 * 2**20, np.uint8), jax.devices("proxy")[0]).block_until_ready()
-        while_alive = mapped()
-        x.delete()
-        deadline = time.monotonic() + 10
-        jax.device_put(np.zeros(3), jax.devices("proxy")[0]).block_until_ready()  # a round trip after the delete
-        while mapped() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        print(json.dumps({"alive": while_alive, "after": mapped()}))
-        """,
-        near.address,
-        str(near.process.pid),
-    )
+    result = _client(CLIENTS / "shm_mapping_goes_with_its_array.py", near.address, str(near.process.pid))
     assert result == {"alive": 1, "after": 0}
 
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 
 import pytest
 
 from pathways_nb.launch.local_cluster import LocalCluster
-from pathways_nb.testing import finish, python_process, soak
+from pathways_nb.testing import finish, python_script, soak
 
 
 def test_small_soak_has_no_wrong_results_and_memory_comes_back():
@@ -23,21 +24,17 @@ def test_small_soak_has_no_wrong_results_and_memory_comes_back():
     assert all(ratio < 1.10 for ratio in growth.values()), report.table()
 
 
-HANGS = """
-    import threading, time
-    def wait_forever():
-        threading.Event().wait()
-    threading.Thread(target=wait_forever, name="stuck").start()
-    time.sleep(600)
-"""
+HANGS = Path(__file__).with_name("clients") / "hangs.py"
 
 
 def test_a_client_that_hangs_is_reported_with_where_each_of_its_threads_was():
     """What the soak (and every test) does with a client past its time: abort it and show its stacks."""
-    hung = python_process(HANGS)
+    hung = python_script(HANGS)
     with pytest.raises(TimeoutError, match="did not finish within 2 s") as raised:
         finish(hung, timeout_s=2)
     stacks = str(raised.value)
-    assert 'File "<string>", line 4 in wait_forever' in stacks, stacks  # the stuck thread
-    assert 'File "<string>", line 6 in <module>' in stacks, stacks  # the main one
+    lines = HANGS.read_text().splitlines()
+    waits, sleeps = lines.index("    threading.Event().wait()") + 1, lines.index("time.sleep(600)") + 1
+    assert f'File "{HANGS}", line {waits} in wait_forever' in stacks, stacks  # the stuck thread
+    assert f'File "{HANGS}", line {sleeps} in <module>' in stacks, stacks  # the main one
     assert hung.returncode == -signal.SIGABRT

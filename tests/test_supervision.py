@@ -13,13 +13,20 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 
 from pathways_nb import cli
 from pathways_nb.launch.local_cluster import LocalCluster
-from pathways_nb.testing import finish, python_process
+from pathways_nb.testing import finish, python_script, wait_until
+
+CLIENTS = Path(__file__).with_name("clients")
+NEW_WORK_ON_A_DEAD_ISLAND = CLIENTS / "new_work_on_a_dead_island.py"
+SENT_FROM_A_DYING_ISLAND = CLIENTS / "moves_from_a_dying_island.py"
+KEEPS_WORKING = CLIENTS / "sums_on_every_device_per_line.py"
+KEEPS_ITS_ARRAY = CLIENTS / "keeps_its_array.py"
 
 
 @pytest.fixture(scope="module")
@@ -41,52 +48,17 @@ def _read_json(process: subprocess.Popen) -> dict:
     return json.loads(line)
 
 
-def _wait_healthy(cluster: LocalCluster, timeout_s: float) -> float:
-    started = time.monotonic()
-    while not (cluster.state().workers and all(w.healthy for w in cluster.state().workers)):
-        assert time.monotonic() - started < timeout_s, cluster.state()
-        time.sleep(0.05)
-    return time.monotonic() - started
-
-
-NEW_WORK_ON_A_DEAD_ISLAND = """
-    import sys, json, time, jax, jax.numpy as jnp, numpy as np, pathways_nb
-    pathways_nb.connect(sys.argv[1], tenant="survivor")
-    island0, island1 = jax.devices()[0], jax.devices()[2]
-    kept = jax.device_put(np.arange(4, dtype=np.float32), island1)
-    print(json.dumps({"before": float(jax.jit(lambda x: x.sum())(kept))}), flush=True)
-    sys.stdin.readline()                                          # the test kills island 1's worker
-
-    def attempt(work):
-        try:
-            return {"value": np.asarray(work()).tolist()}
-        except Exception as error:                                # the client process must live
-            return {"error": f"{type(error).__name__}: {error}"}
-
-    # Shapes, dtypes and programs the client has never used: each needs new layouts and compiles.
-    report = {
-        "put": attempt(lambda: jax.device_put(np.ones((7, 3), np.int16), island1)),
-        "jit": attempt(lambda: jax.jit(lambda x: jnp.cos(x) * 3)(jax.device_put(np.ones(5, np.float16), island1))),
-        "kept": attempt(lambda: kept * 2),
-        "island0": attempt(lambda: jax.jit(lambda x: x - 1)(jax.device_put(np.full((2, 9), 3, np.int8), island0))),
-    }
-    print(json.dumps(report), flush=True)
-    sys.stdin.readline()                                          # the resource manager shows it back
-    deadline = time.monotonic() + 60                              # the proxy hears of it within its next update
-    while "value" not in (
-        fresh := attempt(lambda: jax.jit(lambda x: x + 1)(jax.device_put(np.full(3, 41, np.float32), island1)))
-    ) and time.monotonic() < deadline:
-        time.sleep(0.25)
-    report = {
-        "fresh": fresh,
-        "kept": attempt(lambda: kept + 1),                        # lost with the old process: stays lost
-    }
-    print(json.dumps(report), flush=True)
-"""
+def _wait_healthy(cluster: LocalCluster, timeout_s: float) -> None:
+    wait_until(
+        cluster.state,
+        timeout_s,
+        "every worker healthy",
+        holds=lambda state: state.workers and all(w.healthy for w in state.workers),
+    )
 
 
 def test_dead_worker_fails_new_work_clearly_and_comes_back_by_itself(supervised):
-    client = python_process(NEW_WORK_ON_A_DEAD_ISLAND, supervised.address)
+    client = python_script(NEW_WORK_ON_A_DEAD_ISLAND, supervised.address)
     try:
         assert _read_json(client) == {"before": 6.0}
         old_pid = supervised.workers[(1, 0)].process.pid
@@ -112,26 +84,10 @@ def test_dead_worker_fails_new_work_clearly_and_comes_back_by_itself(supervised)
         client.communicate()
 
 
-SENT_FROM_A_DYING_ISLAND = """
-    import sys, json, jax, numpy as np, pathways_nb
-    pathways_nb.connect(sys.argv[1], tenant="mover")
-    island0, island1 = jax.devices()[0], jax.devices()[2]
-    busy = jax.jit(lambda x: jax.lax.fori_loop(0, 2_000_000_000, lambda i, v: v * 0.5 + 1.0, x))
-    source = busy(jax.device_put(np.ones(4, np.float32), island1))
-    moved = jax.device_put(source, island0)                      # island 1 sends it once it is computed
-    print(json.dumps({"issued": True}), flush=True)
-    sys.stdin.readline()                                          # the test kills island 1's worker meanwhile
-    try:
-        print(json.dumps({"value": np.asarray(moved).tolist()}), flush=True)
-    except Exception as error:
-        print(json.dumps({"error": f"{type(error).__name__}: {error}"}), flush=True)
-"""
-
-
 def test_an_array_on_its_way_from_a_worker_that_dies_fails_its_reads(supervised):
     """The receiving worker is alive and waits for the bytes, which will never come: the proxy tells it."""
     _wait_healthy(supervised, 30)
-    client = python_process(SENT_FROM_A_DYING_ISLAND, supervised.address)
+    client = python_script(SENT_FROM_A_DYING_ISLAND, supervised.address)
     try:
         assert _read_json(client) == {"issued": True}
         old_pid = supervised.workers[(1, 0)].process.pid
@@ -145,20 +101,9 @@ def test_an_array_on_its_way_from_a_worker_that_dies_fails_its_reads(supervised)
     supervised.wait_for_worker(1, 0, timeout_s=120, not_pid=old_pid)
 
 
-KEEPS_WORKING = """
-    import sys, json, jax, numpy as np, pathways_nb
-    pathways_nb.connect(sys.argv[1], tenant="steady")
-    step = jax.jit(lambda x: x * 2)
-    print(json.dumps({"ready": True}), flush=True)
-    for line in sys.stdin:
-        arrays = [jax.device_put(np.full(4, i, np.float32), d) for i, d in enumerate(jax.devices())]
-        print(json.dumps({"sums": [float(step(a).sum()) for a in arrays]}), flush=True)
-"""
-
-
 def test_resource_manager_restart_keeps_running_sessions(supervised):
     _wait_healthy(supervised, 30)
-    client = python_process(KEEPS_WORKING, supervised.address)
+    client = python_script(KEEPS_WORKING, supervised.address)
     try:
         assert _read_json(client) == {"ready": True}
         _send(client)
@@ -179,45 +124,48 @@ def test_resource_manager_restart_keeps_running_sessions(supervised):
         while time.monotonic() < steps_until:
             _send(client)
             assert _read_json(client) == {"sums": [0.0, 8.0, 16.0, 24.0]}
-        deadline = time.monotonic() + 10
-        while not (rm.alive() and rm.process.pid != rm_pid):
-            assert time.monotonic() < deadline, rm.log_tail()
-            time.sleep(0.05)
+        try:
+            wait_until(lambda: rm.alive() and rm.process.pid != rm_pid, 10, "the resource manager restarted")
+        except TimeoutError as error:
+            raise AssertionError(f"{error}; its log ends:\n{rm.log_tail()}") from None
         assert rm.port == port
+
         # Workers register again with the same incarnation (their arrays are still there); the proxy
         # claims its session's allocation again.
-        deadline = time.monotonic() + 10
-        while True:
+        def state_once_up():
             try:
-                state = supervised.state()
+                return supervised.state()
             except Exception:  # noqa: BLE001 - still starting
-                state = None
-            if state is not None and len(state.workers) == 2 and any(a.tenant == "steady" for a in state.allocations):
-                break
-            assert time.monotonic() < deadline, state
-            time.sleep(0.1)
+                return None
+
+        state = wait_until(
+            state_once_up,
+            10,
+            "both workers registered again and the session's allocation claimed",
+            holds=lambda state: (
+                state is not None and len(state.workers) == 2 and any(a.tenant == "steady" for a in state.allocations)
+            ),
+            interval_s=0.1,
+        )
         assert {w.worker_id: (w.pid, w.incarnation) for w in state.workers} == workers_before
         _send(client)
         assert _read_json(client) == {"sums": [0.0, 8.0, 16.0, 24.0]}
     finally:
         client.kill()
         client.communicate()
-    second = python_process(
-        "import sys, jax, pathways_nb; pathways_nb.connect(sys.argv[1]); print(len(jax.devices()))",
-        supervised.address,
-    )
+    second = python_script(CLIENTS / "shows_devices.py", supervised.address)
     out, err = second.communicate(timeout=120)
-    assert out.split() == ["4"], err[-3000:]
+    assert second.returncode == 0 and json.loads(out)["count"] == 4, err[-3000:]
 
 
-def _wait_worker(cluster: LocalCluster, worker_id: str, condition, timeout_s: float):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        state = next((w for w in cluster.state().workers if w.worker_id == worker_id), None)
-        if state is not None and condition(state):
-            return state
-        assert time.monotonic() < deadline, f"{worker_id} after {timeout_s} s: {state}"
-        time.sleep(0.05)
+def _wait_worker(cluster: LocalCluster, worker_id: str, what: str, condition, timeout_s: float):
+    """The state of ``worker_id`` once ``condition`` holds of it (``what``, in words)."""
+    return wait_until(
+        lambda: next((w for w in cluster.state().workers if w.worker_id == worker_id), None),
+        timeout_s,
+        f"{worker_id} {what}",
+        holds=lambda state: state is not None and condition(state),
+    )
 
 
 def test_a_worker_whose_host_vanishes_is_found_unhealthy_and_is_back_when_it_returns(supervised):
@@ -225,43 +173,34 @@ def test_a_worker_whose_host_vanishes_is_found_unhealthy_and_is_back_when_it_ret
     host vanishes without closing them. No launcher sees it: the resource manager's keepalive ping does."""
     _wait_healthy(supervised, 30)
     worker = supervised.workers[(0, 0)].process
-    before = _wait_worker(supervised, "island0-host0", lambda w: w.attached, 10)
+    before = _wait_worker(supervised, "island0-host0", "attached", lambda w: w.attached, 10)
     stopped = time.monotonic()
     os.kill(worker.pid, signal.SIGSTOP)
     try:
         # The bound is the worker time-out (10 s on one machine); the deadline leaves room for a loaded
         # machine, and fails where the keepalive does not work (gRPC's default ping time-out alone is a minute).
-        found = _wait_worker(supervised, "island0-host0", lambda w: not w.healthy, 40)
+        found = _wait_worker(supervised, "island0-host0", "unhealthy", lambda w: not w.healthy, 40)
         found_after_s = time.monotonic() - stopped
         assert "stream to the resource manager ended" in found.down_reason, found
     finally:
         os.kill(worker.pid, signal.SIGCONT)
-    back = _wait_worker(supervised, "island0-host0", lambda w: w.healthy and w.attached, 30)
+    back = _wait_worker(supervised, "island0-host0", "healthy and attached", lambda w: w.healthy and w.attached, 30)
     # The same process (its arrays are still there), registered again on a new stream.
     assert (back.pid, back.incarnation) == (before.pid, before.incarnation), found_after_s
 
 
 STALLED_S = 4.0  # longer than the 3 s a cluster across hosts allows, well within one machine's 10 s
 
-KEEPS_ITS_ARRAY = """
-    import sys, json, jax, numpy as np, pathways_nb
-    pathways_nb.connect(sys.argv[1], tenant="patient")
-    kept = jax.device_put(np.arange(4, dtype=np.float32), jax.devices()[0])
-    print(json.dumps({"before": np.asarray(kept).tolist()}), flush=True)
-    sys.stdin.readline()                                          # the test stalls island 0's worker
-    print(json.dumps({"after": np.asarray(kept + 1).tolist()}), flush=True)
-"""
-
 
 def test_a_stalled_worker_of_a_machine_s_cluster_is_not_called_dead_and_keeps_its_arrays(supervised):
     """All processes of a one-machine cluster share its cores: a live worker left unscheduled for
     seconds (a busy machine) must not be called dead, which would cost every session its arrays."""
     _wait_healthy(supervised, 30)
-    client = python_process(KEEPS_ITS_ARRAY, supervised.address)
+    client = python_script(KEEPS_ITS_ARRAY, supervised.address)
     worker = supervised.workers[(0, 0)].process
     try:
         assert _read_json(client) == {"before": [0.0, 1.0, 2.0, 3.0]}
-        before = _wait_worker(supervised, "island0-host0", lambda w: w.attached, 10)
+        before = _wait_worker(supervised, "island0-host0", "attached", lambda w: w.attached, 10)
         os.kill(worker.pid, signal.SIGSTOP)
         try:
             resume_at = time.monotonic() + STALLED_S
@@ -273,7 +212,9 @@ def test_a_stalled_worker_of_a_machine_s_cluster_is_not_called_dead_and_keeps_it
             os.kill(worker.pid, signal.SIGCONT)
         _send(client)
         assert _read_json(client) == {"after": [1.0, 2.0, 3.0, 4.0]}
-        after = _wait_worker(supervised, "island0-host0", lambda w: w.healthy and w.attached, 30)
+        after = _wait_worker(
+            supervised, "island0-host0", "healthy and attached", lambda w: w.healthy and w.attached, 30
+        )
         assert (after.pid, after.incarnation) == (before.pid, before.incarnation)
         assert client.wait(60) == 0, client.stderr.read()[-3000:]
     finally:
@@ -327,10 +268,9 @@ def test_up_restarts_a_dead_worker_and_says_why():
         workers = _workers_of(up.pid)
         assert len(workers) == 1
         workers[0].send_signal(signal.SIGSEGV)
-        deadline = time.monotonic() + 20
-        while not [c for c in _workers_of(up.pid) if c.pid != workers[0].pid]:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        wait_until(
+            lambda: [c for c in _workers_of(up.pid) if c.pid != workers[0].pid], 20, "a new worker", interval_s=0.1
+        )
         assert not psutil.pid_exists(workers[0].pid) or psutil.Process(workers[0].pid).status() != "zombie"
     finally:
         up.send_signal(signal.SIGINT)

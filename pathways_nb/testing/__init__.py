@@ -5,7 +5,9 @@
 protocol directly, request by request, for tests that must send what the
 stock client never would (unknown handles, malformed bytes, half uploads),
 and for many sessions from one process (``benchmarks/sessions.py``), which
-the stock client, one session per process, cannot open.
+the stock client, one session per process, cannot open. ``python_script()``
+runs a client in a process of its own, and ``wait_until()`` is how a test
+waits for anything: for a condition, with a deadline, never for a fixed time.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
+from typing import TypeVar
 
 import grpc
 
@@ -31,6 +34,37 @@ from pathways_nb.protocol import schema
 SERVICE = "/xla.ifrt.proxy.GrpcIfrtService/"
 SESSION_METADATA_KEY = "ifrt-proxy-grpc-ifrt-session-metadata-bin"
 STORE_METADATA_KEY = "ifrt-proxy-grpc-host-buffer-store-metadata-bin"
+
+T = TypeVar("T")
+
+
+def wait_until(
+    condition: Callable[[], T],
+    timeout_s: float,
+    what: str,
+    *,
+    holds: Callable[[T], object] = bool,
+    interval_s: float = 0.05,
+) -> T:
+    """Calls ``condition()`` every ``interval_s`` until ``holds`` of what it returned is true (by default:
+    until it returns something true), and returns that; ``TimeoutError`` after ``timeout_s``.
+
+    The error names ``what`` was awaited and the last value seen, so a wait that failed says how far
+    things got: return what was observed (a state, a list) rather than a bare bool where it helps, and
+    say in ``holds`` what it must be. An exception from ``condition`` ends the wait at once (raise one to
+    give up early, say when the process that was to do the thing has died).
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if holds(value):
+            return value
+        if time.monotonic() >= deadline:
+            seen = repr(value)
+            if len(seen) > 3000:  # the end of it: a log's last lines, say
+                seen = f"({len(seen) - 3000} characters before) ..." + seen[-3000:]
+            raise TimeoutError(f"{what}: not within {timeout_s:g} s; the last value seen: {seen}")
+        time.sleep(interval_s)
 
 
 @contextlib.contextmanager
@@ -219,16 +253,20 @@ def wait_until_sessions_end(
     from pathways_nb.client.observe import Observer
 
     observer = Observer(address, token=token)
-    deadline = time.monotonic() + timeout_s
+
+    def open_sessions_and_allocations() -> tuple[list[int], list[str]]:
+        state = observer.state()
+        left = [s.session_id for s in state.sessions if s.session_id not in besides]
+        return left, [allocation.tenant for allocation in state.allocations]
+
     try:
-        while True:
-            state = observer.state()
-            left = [s.session_id for s in state.sessions if s.session_id not in besides]
-            if not left and (besides or not state.allocations):
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"sessions {left} (or their allocations) still open after {timeout_s:g} s")
-            time.sleep(0.1)
+        wait_until(
+            open_sessions_and_allocations,
+            timeout_s,
+            f"only the sessions {sorted(besides)} left (and, with none, no allocation)",
+            holds=lambda seen: not seen[0] and (besides or not seen[1]),
+            interval_s=0.1,
+        )
     finally:
         observer.close()
 
@@ -271,14 +309,28 @@ def lowered_program(function, example, device_ids: list[int]) -> tuple[bytes, by
     return artifact, xla_options.SerializeToString()
 
 
+def python_script(path: str | os.PathLike, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``python path args...`` with text pipes, and without this process's JAX settings (``env`` adds
+    variables); a fatal signal (SIGABRT from ``finish``, a crash) makes it print every thread's stack first.
+
+    The tests' clients are scripts of their own under ``tests/clients/`` (checked by ruff as any code is),
+    which take what they need as arguments and print what the test checks.
+    """
+    return _python([os.fspath(path), *args], env)
+
+
 def python_process(code: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """``python -c code args...`` with pipes, and without this process's JAX settings; a fatal signal
-    (SIGABRT from ``finish``, a crash) makes it print every thread's stack first."""
+    """``python -c code args...``, as ``python_script`` runs a file (the soak's and the benchmarks' clients
+    are strings still)."""
+    return _python(["-c", textwrap.dedent(code), *args], env)
+
+
+def _python(arguments: list[str], env: dict[str, str] | None) -> subprocess.Popen:
     environment = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
     environment["PYTHONFAULTHANDLER"] = "1"
     environment.update(env or {})
     return subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(code), *args],
+        [sys.executable, *arguments],
         env=environment,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -289,7 +341,7 @@ def python_process(code: str, *args: str, env: dict[str, str] | None = None) -> 
 
 def finish(process: subprocess.Popen, timeout_s: float = 180.0) -> tuple:
     """``process.communicate()`` within ``timeout_s``; past it, the process is aborted and the error shows
-    the end of its stderr (what a hung client was doing is the first thing to know: a ``python_process``
+    the end of its stderr (what a hung client was doing is the first thing to know: a ``python_script``
     prints every thread's stack on SIGABRT)."""
     try:
         return process.communicate(timeout=timeout_s)
