@@ -128,8 +128,10 @@ class ClusterSession:
         return self.allocation.platform_version or "pathways-nb cluster"
 
     def describe_devices(self, device_ids: Sequence[int]) -> list[DeviceDescription]:
-        # On one island, devices print as local ones do (``runtime_api.describe_device``).
+        # Each island a slice where the cluster has several (unless the session asked for one slice); on one
+        # island, devices print as local ones do (``runtime_api.describe_device``).
         several_islands = max(self.cluster.islands, self.allocation.cluster_islands) > 1
+        island_is_slice = several_islands and not self.options.one_slice
         return [
             describe_device(
                 device.id,
@@ -141,7 +143,7 @@ class ClusterSession:
                 host_index=device.host_index,
                 host=device.worker_address,
                 ordinal=self._ordinals[device.id],
-                name_island=several_islands,
+                island_is_slice=island_is_slice,
                 colocation_id=self._colocation_ids.get(device.id),
             )
             for device in map(self._device, device_ids)
@@ -645,13 +647,18 @@ class ClusterSession:
         singles = value.parts if isinstance(value, ShardedRemoteArray) else self.disassemble(value, value.sharding)
         return self._assemble_where(value.shape, value.sharding, singles, where)
 
+    def _answering(self, program: RemoteProgram) -> pb.Device:
+        """The host that answers questions about a compiled program: its first device's worker, or that
+        device's twin on the group of the program's islands (blocks while the group forms)."""
+        return self._current(self._where(program.device_ids)[program.device_ids[0]])
+
     def cost_analysis(self, program: RemoteProgram) -> dict[str, float]:
-        device = self._current(self._device(program.device_ids[0]))
+        device = self._answering(program)
         command = pb.Command(program_query=pb.ProgramQuery(program=self.cluster.compiled_on(program, device)))
         return dict(self.cluster.query(device, command, "program_query").costs.values)
 
     def program_text(self, program: RemoteProgram) -> str:
-        device = self._current(self._device(program.device_ids[0]))
+        device = self._answering(program)
         program_id = self.cluster.compiled_on(program, device)
         command = pb.Command(program_query=pb.ProgramQuery(program=program_id, text=True))
         return self.cluster.query(device, command, "program_query").text
