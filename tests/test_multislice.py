@@ -72,6 +72,24 @@ def test_tenants_mixing_one_and_two_island_programs_all_finish(islands):
         assert report["counts"]["one island"] > 0 and report["counts"]["two islands"] > 0, report
 
 
+@pytest.mark.parametrize("mode", ["connect", "plain"])
+def test_one_slice_lets_jax_make_mesh_span_islands(islands, mode):
+    """By default each island is a slice (``jax.make_mesh`` refuses two, naming the hybrid mesh); a session of
+    one slice (``connect(one_slice=True)``, or ``PATHWAYS_ONE_SLICE=1`` for a plain JAX program) runs a
+    ``jax.make_mesh`` program over both islands, equal to local JAX, and its devices still name their island."""
+    plain = {
+        "JAX_PLATFORMS": "proxy,cpu",
+        "JAX_BACKEND_TARGET": islands.address,
+        "IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS": "true",
+        "PATHWAYS_ONE_SLICE": "1",
+    }
+    client = python_script(
+        CLIENTS / "multislice_one_slice.py", islands.address, mode, env=plain if mode == "plain" else None
+    )
+    checks = json.loads(finished_ok(client, 300).splitlines()[-1])
+    assert all(checks.values()) and len(checks) == (6 if mode == "connect" else 4), checks
+
+
 def _next_report(client, wanted) -> dict:
     """The first line of a ``multislice_steps.py`` client for which ``wanted`` holds (an error if it ends first)."""
     for line in iter(client.stdout.readline, ""):

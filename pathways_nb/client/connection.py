@@ -168,7 +168,7 @@ class Session:
         import jax
 
         state = self._state
-        islands = sorted({getattr(d, "slice_index", 0) for d in self.devices})
+        islands = sorted({tables.island_of(d) for d in self.devices})
         held = tables.holders(state) if state is not None else {}
         tenants = sorted({a.tenant for allocations in held.values() for a in allocations})
         unhealthy = [w.worker_id for w in state.workers if not w.healthy] if state is not None else []
@@ -244,6 +244,7 @@ def connect(
     progress: bool = True,
     token: str | None = None,
     weight: float = 1.0,
+    one_slice: bool = False,
 ) -> Session:
     """Makes ``jax.devices()`` the devices of the cluster at ``address``.
 
@@ -253,7 +254,12 @@ def connect(
     bar says for whom it waits), ``num_devices`` and ``islands`` ask for part
     of the cluster. ``weight`` is this tenant's share of busy devices against
     the other tenants' (proportional share: weights 1 and 3 get a quarter and
-    three quarters of an island both saturate). ``token`` is the cluster token its views (the observe API)
+    three quarters of an island both saturate). On a cluster of several islands each island is a
+    slice, as Pathways on Cloud shows TPU slices: devices carry their island as ``slice_index``, a
+    mesh across islands comes from ``mesh_utils.create_hybrid_device_mesh`` and ``jax.make_mesh``
+    refuses one; ``one_slice=True`` makes every device of slice 0 instead, so that code written for
+    one slice (``jax.make_mesh`` over all devices) runs across islands unchanged (the island stays
+    in each device's ``island`` attribute). ``token`` is the cluster token its views (the observe API)
     need; default: that of this process's ``LocalCluster`` at ``address``, else
     ``$PATHWAYS_CLUSTER_TOKEN``. Raises ``ConnectionFailed`` (JAX left on its previous
     devices) if the server does not answer, or the devices are not free,
@@ -278,6 +284,7 @@ def connect(
         timeout_s=timeout_s,
         secret=generate_token(),
         weight=weight,
+        one_slice=one_slice,
     )
     from pathways_nb.launch import live
 

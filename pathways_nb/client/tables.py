@@ -1,7 +1,8 @@
 """The cluster's state as pandas DataFrames: devices, islands, allocations.
 
 When the server offers no observe API (Pathways on Cloud), the devices and
-islands come from ``jax.devices()`` and their ``slice_index`` attributes.
+islands come from ``jax.devices()``: their ``island`` attributes (a pathways-nb cluster's), else their
+``slice_index`` (Pathways on Cloud's).
 """
 
 from __future__ import annotations
@@ -44,13 +45,19 @@ def devices(state: pb.ClusterState) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=DEVICE_COLUMNS)
 
 
+def island_of(device) -> int:
+    """The island of a ``jax.devices()`` device: a session of one slice (``connect(one_slice=True)``) sees
+    every device in slice 0, but each still names its island."""
+    return getattr(device, "island", getattr(device, "slice_index", 0))
+
+
 def devices_from_jax(jax_devices: Sequence) -> pd.DataFrame:
     """What ``jax.devices()`` says, for servers without the observe API."""
     rows = [
         {
             "id": d.id,
             "name": str(d),
-            "island": getattr(d, "slice_index", 0),
+            "island": island_of(d),
             "host_index": getattr(d, "host_index", d.process_index),
             "host": str(getattr(d, "host", "")),
             "local_id": getattr(d, "local_hardware_id", d.id),

@@ -78,19 +78,27 @@ def describe_device(
     host_index: int,
     host: str,
     ordinal: int,
-    name_island: bool,
+    island_is_slice: bool,
     colocation_id: int | None = None,
 ) -> DeviceDescription:
     """A device as ``jax.devices()`` shows it, wherever it is.
 
-    As a TPU device names its slice only in a multi-slice job, a device names its island in
-    ``repr`` only where ``name_island`` (the cluster has several); ``coords`` is the device's
-    place in its island's mesh: (host, device on the host). A device and the CPU device beside it
-    share a ``colocation_id`` (``jax.experimental.colocated_python.colocated_cpu_devices`` pairs them).
+    ``island`` is always the device's island; where ``island_is_slice`` it is its ``slice_index`` too, named
+    in ``repr``, as a TPU device of a multi-slice job names its slice (``mesh_utils.create_hybrid_device_mesh``
+    groups devices by it, and ``jax.make_mesh`` refuses a mesh over several); else every device is of slice 0,
+    as in a one-slice job. ``coords`` is the device's place in its island's mesh: (host, device on the host). A
+    device and the CPU device beside it share a ``colocation_id``
+    (``jax.experimental.colocated_python.colocated_cpu_devices`` pairs them).
     """
     device_class = _DEVICE_CLASS.get(platform, "Device")
-    named = f", slice_index={island}" if name_island else ""
-    attributes = {"slice_index": island, "host_index": host_index, "host": host, "coords": [host_index, ordinal]}
+    named = f", slice_index={island}" if island_is_slice else ""
+    attributes = {
+        "island": island,
+        "slice_index": island if island_is_slice else 0,
+        "host_index": host_index,
+        "host": host,
+        "coords": [host_index, ordinal],
+    }
     if colocation_id is not None:
         attributes["colocation_id"] = colocation_id
     return DeviceDescription(

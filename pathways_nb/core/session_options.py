@@ -12,7 +12,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
-TENANT, EXCLUSIVE, DEVICES, ISLANDS, TIMEOUT, SECRET, WEIGHT = (
+TENANT, EXCLUSIVE, DEVICES, ISLANDS, TIMEOUT, SECRET, WEIGHT, ONE_SLICE = (
     "pathways_tenant",
     "pathways_exclusive",
     "pathways_devices",
@@ -20,9 +20,10 @@ TENANT, EXCLUSIVE, DEVICES, ISLANDS, TIMEOUT, SECRET, WEIGHT = (
     "pathways_allocation_timeout_s",
     "pathways_session_secret",
     "pathways_weight",
+    "pathways_one_slice",
 )
 # For plain ``JAX_PLATFORMS=proxy`` programs, which never call ``pathways_nb.connect``.
-TENANT_ENV, WEIGHT_ENV = "PATHWAYS_TENANT", "PATHWAYS_WEIGHT"
+TENANT_ENV, WEIGHT_ENV, ONE_SLICE_ENV = "PATHWAYS_TENANT", "PATHWAYS_WEIGHT", "PATHWAYS_ONE_SLICE"
 # Shared-memory uploads (jax_plugin): the client's upload directory, the secret in its ``owner``
 # file (proves the proxy sees the client's files), and ``shared_memory_key()`` of the client.
 SHARED_DIRECTORY, SHARED_SECRET, SHARED_HOST = (
@@ -99,6 +100,8 @@ class SessionOptions:
     secret: str = field(default="", repr=False)
     # The tenant's share of busy devices relative to other tenants (proportional share).
     weight: float = 1.0
+    # All islands one slice (every device's slice_index 0), not a slice each as Pathways shows TPU slices.
+    one_slice: bool = False
 
     def __post_init__(self) -> None:
         if not self.weight > 0:
@@ -113,16 +116,22 @@ class SessionOptions:
             TIMEOUT: max(1, round(self.timeout_s)),
             SECRET: self.secret.encode(),
             WEIGHT: repr(float(self.weight)).encode(),
+            ONE_SLICE: self.one_slice,
         }
 
     @classmethod
     def from_environment(cls) -> SessionOptions | None:
-        """What a plain ``JAX_PLATFORMS=proxy`` process asks for (``PATHWAYS_TENANT``, ``PATHWAYS_WEIGHT``)."""
+        """What a plain ``JAX_PLATFORMS=proxy`` process asks for (``PATHWAYS_TENANT``, ``PATHWAYS_WEIGHT``,
+        ``PATHWAYS_ONE_SLICE``); None if it asks for nothing."""
         tenant, weight = os.environ.get(TENANT_ENV), os.environ.get(WEIGHT_ENV)
-        if not tenant and not weight:
+        one_slice = os.environ.get(ONE_SLICE_ENV, "").strip().lower()
+        if not tenant and not weight and not one_slice:
             return None
+        if one_slice not in ("", "0", "1", "false", "true"):
+            raise ValueError(f"{ONE_SLICE_ENV} must be 1 or 0 (true or false), got {one_slice!r}")
         try:
-            return cls(tenant=tenant or default_tenant(), weight=float(weight or 1.0))
+            weight_value = float(weight or 1.0)
+            return cls(tenant=tenant or default_tenant(), weight=weight_value, one_slice=one_slice in ("1", "true"))
         except ValueError as e:
             raise ValueError(f"{WEIGHT_ENV} must be a positive number, got {weight!r}") from e
 
@@ -144,4 +153,5 @@ class SessionOptions:
             timeout_s=float(attributes.get(TIMEOUT, default_timeout_s)),
             secret=text(SECRET, ""),
             weight=float(text(WEIGHT, "1.0")),
+            one_slice=bool(attributes.get(ONE_SLICE, False)),
         )

@@ -1,6 +1,6 @@
 """The ``%pathways`` magic: connect, look at the cluster, time the steps, profile the devices.
 
-    %pathways connect ADDRESS [--exclusive] [--devices N] [--only_islands 0,1] [--tenant T] [--weight W]
+    %pathways connect ADDRESS [--exclusive] [--devices N] [--only_islands 0,1] [--tenant T] [--weight W] [--one_slice]
                               [--timeout S] [--token T]
         (ADDRESS: grpc://HOST:PORT, slurm://JOBID of a Slurm job's cluster, or a cluster's address file)
     %pathways connect local [--islands I] [--hosts_per_island H] [--devices_per_host D]
@@ -67,6 +67,9 @@ def _parser() -> _Parser:
     connect.add_argument("--tenant", default=None, help="your name in the allocation table")
     connect.add_argument(
         "--weight", type=float, default=1.0, help="your share of busy devices against other tenants' (default 1)"
+    )
+    connect.add_argument(
+        "--one_slice", action="store_true", help="all islands one slice (jax.make_mesh spans them; default: one each)"
     )
     connect.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the server and devices")
     connect.add_argument("--token", default=None, help="the cluster token (default: $PATHWAYS_CLUSTER_TOKEN)")
@@ -157,6 +160,7 @@ class PathwaysMagics(Magics):
                 tenant=args.tenant,
                 token=args.token,
                 weight=args.weight,
+                one_slice=args.one_slice,
             )
         except (PathwaysError, ValueError) as error:
             if cluster is not None:

@@ -38,7 +38,7 @@ def session_view(session) -> nonxla.SessionView:
     colocated = session.runtime.colocated_device_ids
     by_host: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
     for device in session.runtime.describe_devices(session.device_ids + colocated):
-        place = (int(device.attributes.get("slice_index", 0)), int(device.attributes.get("host_index", 0)))
+        place = (int(device.attributes.get("island", 0)), int(device.attributes.get("host_index", 0)))
         devices, colocated_devices = by_host.setdefault(place, ([], []))
         (colocated_devices if device.id in colocated else devices).append(device.id)
     hosts = tuple(

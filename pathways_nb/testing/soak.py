@@ -84,7 +84,7 @@ CLIENT = """
         report["connects"] += 1
         islands = {}
         for d in jax.devices("proxy"):
-            islands.setdefault(d.slice_index, []).append(d)
+            islands.setdefault(d.island, []).append(d)
         combos = list(everything(islands))
         chosen = combos if seconds == 0 else [rng.choice(combos) for _ in range(rng.randrange(20, 60))]
         for combo in chosen:

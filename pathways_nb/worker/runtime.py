@@ -170,7 +170,7 @@ class LocalRuntime:
                     host_index=0,
                     host=socket.gethostname(),
                     ordinal=self._ordinal(device),
-                    name_island=False,
+                    island_is_slice=False,
                 )
             )
         return descriptions
