@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import psutil
@@ -27,6 +26,7 @@ from pathways_nb.launch import cluster_logs
 from pathways_nb.launch.local_cluster import LocalCluster
 from pathways_nb.launch.processes import ChildServer
 from pathways_nb.notebook import magics
+from pathways_nb.testing import wait_until
 
 DECLARED = re.compile(r"--[a-z0-9]+(_[a-z0-9]+)*")
 
@@ -202,13 +202,6 @@ def _shown(*words: str, env: dict[str, str]) -> str:
     return subprocess.run(command, env=env, capture_output=True, text=True, check=True, timeout=60).stdout
 
 
-def _until(condition, what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} within {timeout_s:g} s"
-        time.sleep(0.1)
-
-
 def test_up_logs_at_its_level_to_files_it_names_which_logs_shows_follows_and_a_failed_run_keeps(tmp_path):
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # a directory of running clusters of its own
     records = tmp_path / f"pathways-nb-{getpass.getuser()}" / "clusters"
@@ -241,7 +234,12 @@ def test_up_logs_at_its_level_to_files_it_names_which_logs_shows_follows_and_a_f
         (worker,) = [c for c in psutil.Process(up.pid).children() if "worker" in c.cmdline()]
         worker.send_signal(signal.SIGSEGV)
         log = directory / "worker-0-0.log"
-        _until(lambda: log.read_text().count("pathways-nb worker island0-host0 at") == 2, "the worker restarted")
+        wait_until(
+            lambda: log.read_text().count("pathways-nb worker island0-host0 at"),
+            60,
+            "the worker's second start in its log",
+            holds=lambda starts: starts == 2,
+        )
     finally:
         up.send_signal(signal.SIGINT)
         _out, err = up.communicate(timeout=60)

@@ -143,7 +143,7 @@ def test_an_executor_killed_mid_call_fails_that_call_and_the_next_starts_a_new_o
 
         if x[0] > 0:
             pathlib.Path("running").write_text("")
-            time.sleep(120)
+            time.sleep(120)  # until the test kills it
         return jax.device_put(np.float32(os.getpid()), x.sharding) + 0 * x[0]
 
     executor = host.executor("killed", "tenant-a", [0, 1])
@@ -298,27 +298,7 @@ PY312 = os.environ.get("PATHWAYS_PY312_PYTHON")
 NO_PY312 = "no Python 3.12 with jax 0.12: make test builds it and passes it in PATHWAYS_PY312_PYTHON"
 
 # Run by that Python: a function as its jax's colocated_python ships it, on its CPU device 1 (cluster id 1).
-PY312_PROGRAM = """
-import sys, jax, numpy as np
-from jax import tree_util
-from jax._src.lib import xla_client
-from jax.experimental.colocated_python import serialization
-
-jax.config.update("jax_num_cpu_devices", 2)
-
-def where(x):
-    import sys, numpy
-    print("executor", sys.version_info.major, sys.version_info.minor, "numpy", numpy.__version__)
-    return x * 2
-
-device = jax.devices()[1]
-spec = jax.ShapeDtypeStruct((3,), np.float32, sharding=jax.sharding.SingleDeviceSharding(device))
-in_leaves, in_tree = tree_util.tree_flatten(((spec,), {}))
-out_leaves, out_tree = tree_util.tree_flatten(spec)
-devices = xla_client.DeviceList((device,))
-text = serialization._serialize((where, in_tree, tuple(in_leaves), out_tree, tuple(out_leaves), devices))
-print(np.__version__, text.hex())
-"""
+SHIPS_A_FUNCTION = Path(__file__).with_name("clients") / "ships_a_colocated_function.py"
 
 
 @pytest.fixture
@@ -348,7 +328,7 @@ def host_with(tmp_path):
 @pytest.mark.skipif(not PY312, reason=NO_PY312)
 def test_an_executor_of_another_python_runs_with_its_own_packages(host_with):
     """The client's interpreter (MaxText needs Python 3.12) as the executors': none of the cluster's packages."""
-    made = subprocess.run([PY312, "-c", PY312_PROGRAM], capture_output=True, text=True, timeout=300)
+    made = subprocess.run([PY312, SHIPS_A_FUNCTION], capture_output=True, text=True, timeout=300)
     assert made.returncode == 0, made.stderr[-3000:]
     numpy_version, text = made.stdout.split()
     text = bytes.fromhex(text)

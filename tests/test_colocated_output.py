@@ -14,6 +14,7 @@ import re
 import site
 import subprocess
 import sys
+from pathlib import Path
 
 import psutil
 import pytest
@@ -133,19 +134,27 @@ def test_each_cells_output_holds_exactly_its_own_lines_tagged_with_where_they_ra
 
 
 def test_an_iterator_printing_while_the_next_cell_runs_prints_under_the_cell_that_started_it(notebook):
+    # The iterator prints its first batch at once, then each next one while a call of the next cell waits for it
+    # (in turn, through semaphores in the executor's builtins), so every batch but the first is printed while the
+    # next cell runs, and another call is the executor's latest.
     started = notebook.run(
         """
 @cp.colocated_python_class
 class Prefetcher:
     def __init__(self):
-        import queue, threading
+        import builtins, queue, threading
         self.batches = queue.Queue()
+        builtins.next_batch, builtins.batch_printed = threading.Semaphore(0), threading.Semaphore(0)
 
         def fill():
-            for i in range(8):
-                time.sleep(0.25)
+            print("prefetched batch 0")
+            self.batches.put(0)
+            for i in range(1, 8):  # each while a call of the next cell waits for it
+                if not builtins.next_batch.acquire(timeout=60):
+                    return
                 print(f"prefetched batch {i}")
                 self.batches.put(i)
+                builtins.batch_printed.release()
 
         threading.Thread(target=fill, daemon=True).start()
 
@@ -161,16 +170,19 @@ print("first batch", float(np.asarray(prefetcher.next(x1))[0]))
         """
 @cp.colocated_python
 def meanwhile(x):
+    import builtins
     print("the next cell's own line")
+    builtins.next_batch.release()
+    if not builtins.batch_printed.acquire(timeout=60):
+        raise TimeoutError("the prefetcher printed no batch within 60 s")
     return x
 
-for _ in range(4):
+for _ in range(7):
     np.asarray(meanwhile(x1))
-    time.sleep(0.25)
 """
     )
     assert not following["errors"], following
-    assert [line for *_, line in placed(following["stdout"])] == ["the next cell's own line"] * 4
+    assert [line for *_, line in placed(following["stdout"])] == ["the next cell's own line"] * 7
     late = notebook.wait_for_late(started["msg_id"], lambda late: "prefetched batch 7" in late["stdout"])
     batches = [line for *_, line in placed(started["stdout"] + late["stdout"])]
     assert batches == [f"prefetched batch {i}" for i in range(8)]
@@ -213,25 +225,7 @@ print("returned", float(np.asarray(flood(x1))[0]), "after", time.monotonic() - s
 
 # -- other clients --------------------------------------------------------------------------------------
 
-STOCK_CLIENT = """
-import sys
-sys.path.append(sys.argv[2])  # (run with python -S: the packages, without those .pth files add, pathways_nb's)
-import jax, numpy as np
-from jax.extend.backend import ifrt_proxy, register_backend_factory
-from jax.experimental import colocated_python as cp
-
-register_backend_factory("proxy", lambda: ifrt_proxy.get_client(sys.argv[1], ifrt_proxy.ClientConnectionOptions()))
-jax.config.update("jax_platforms", "proxy")
-jax.config.update("jax_backend_target", sys.argv[1])
-x = jax.device_put(np.ones(2, np.float32), cp.colocated_cpu_devices(jax.devices())[1])
-
-@cp.colocated_python
-def loud(x):
-    print("a stock client's line")
-    return x * 3
-
-print("RESULT", np.asarray(loud(x)).tolist(), "pathways_nb" in sys.modules, flush=True)
-"""
+STOCK_CLIENT = Path(__file__).with_name("clients") / "colocated_stock_client.py"
 
 
 def test_only_the_connection_that_made_the_calls_reads_their_lines(notebook, colocated_cluster):
@@ -250,10 +244,11 @@ def test_only_the_connection_that_made_the_calls_reads_their_lines(notebook, col
 
 
 def test_a_client_without_pathways_nb_runs_colocated_python_as_before(colocated_cluster, tmp_path):
-    environment = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "PYTHONPATH"))}
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    environment.update(PYTHONPATH=site.getsitepackages()[0], IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS="true")
     result = subprocess.run(
-        [sys.executable, "-S", "-c", STOCK_CLIENT, colocated_cluster.address, site.getsitepackages()[0]],
-        env={**environment, "IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS": "true"},
+        [sys.executable, "-S", STOCK_CLIENT, colocated_cluster.address],
+        env=environment,
         capture_output=True,
         text=True,
         timeout=300,

@@ -17,7 +17,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -28,7 +27,7 @@ from pathways_nb.cli import main
 from pathways_nb.client.observe import Observer
 from pathways_nb.deploy import slurm as deploy_slurm
 from pathways_nb.launch import connection_files
-from pathways_nb.testing import KernelSession, finish, python_process
+from pathways_nb.testing import KernelSession, finish, finished_ok, python_script, wait_until
 from pathways_nb.testing.slurm import LocalSlurm, unavailable
 from pathways_nb.testing.tls import certificates
 
@@ -36,15 +35,6 @@ from pathways_nb.testing.tls import certificates
 START_TIMEOUT_S = 240
 # How soon after scancel every process of a job must be gone.
 GONE_WITHIN_S = 10
-
-
-def _wait_for(condition: Callable[[], object], timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while not (result := condition()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"waited {timeout_s:g} s for {what}")
-        time.sleep(0.05)
-    return result
 
 
 @pytest.fixture(scope="session")
@@ -76,14 +66,14 @@ def _submit(slurm: LocalSlurm, directory: pathlib.Path, *flags: str) -> BatchJob
     job_id = slurm.run("sbatch", "--parsable", str(directory / deploy_slurm.SCRIPT_FILE)).stdout.strip()
     address_file = directory / connection_files.ADDRESS_FILE
 
-    def serving() -> bool:
+    def progress() -> dict:
         state = slurm.job_state(job_id)
         if state not in ("PENDING", "CONFIGURING", "RUNNING"):
             output = directory / f"slurm-{job_id}.out"
             raise AssertionError(f"job {job_id} is {state}: {output.read_text() if output.exists() else ''}")
-        return address_file.exists()
+        return {"job": state, "address file": address_file.exists()}
 
-    _wait_for(serving, START_TIMEOUT_S, f"job {job_id}'s cluster to serve")
+    wait_until(progress, START_TIMEOUT_S, f"job {job_id}'s cluster serving", holds=lambda seen: seen["address file"])
     return BatchJob(job_id, directory, *connection_files.read(address_file))
 
 
@@ -91,8 +81,18 @@ def _cancel(slurm: LocalSlurm, job_id: str) -> float:
     """``scancel``; the seconds until no process of the job is left (at most ``GONE_WITHIN_S``)."""
     started = time.monotonic()
     slurm.run("scancel", job_id)
-    _wait_for(lambda: not slurm.processes(job_id), GONE_WITHIN_S, f"every process of job {job_id} to end")
+    _wait_gone(slurm, job_id)
     return time.monotonic() - started
+
+
+def _wait_gone(slurm: LocalSlurm, job_id: str) -> None:
+    """Waits until no process of job ``job_id`` is left, ``GONE_WITHIN_S`` at most."""
+    wait_until(
+        lambda: slurm.processes(job_id),
+        GONE_WITHIN_S,
+        f"every process of job {job_id} ended",
+        holds=lambda left: not left,
+    )
 
 
 def _steps(slurm: LocalSlurm, job_id: str) -> dict[str, tuple[str, str]]:
@@ -172,21 +172,9 @@ def test_impossible_shapes_are_refused_saying_what_to_do(changes, message, tmp_p
 
 # -- a batch job of 2 islands ----------------------------------------------------------------
 
+CLIENTS = pathlib.Path(__file__).with_name("clients")
 # One program on every island, compared bitwise with this machine's JAX (both sides run the same XLA).
-ON_EVERY_ISLAND = """
-import json, jax, jax.numpy as jnp, numpy as np
-program = jax.jit(lambda x: (jnp.tanh(x @ x.T) * 3).sum(axis=0))
-x = np.arange(64, dtype=np.float32).reshape(8, 8) / 64
-local = np.asarray(program(jax.device_put(x, jax.devices("cpu")[0])))
-same = {}
-for island in sorted({d.slice_index for d in jax.devices()}):
-    device = next(d for d in jax.devices() if d.slice_index == island)
-    same[island] = np.asarray(program(jax.device_put(x, device))).tobytes() == local.tobytes()
-print(json.dumps({"hosts": sorted({d.host.rsplit(":", 1)[0] for d in jax.devices()}), "same": same}))
-"""
-SAME_AS_LOCAL = (
-    "import sys, pathways_nb\npathways_nb.connect(sys.argv[1], timeout_s=60, progress=False)\n" + ON_EVERY_ISLAND
-)
+SAME_ON_EVERY_ISLAND = CLIENTS / "same_on_every_island.py"
 
 
 @pytest.fixture(scope="module")
@@ -213,40 +201,8 @@ def test_a_batch_job_serves_both_islands_from_its_nodes(slurm, islands_job):
     assert (islands_job.directory / connection_files.TOKEN_FILE).stat().st_mode & 0o777 == 0o600
     # A stock client (pathways_nb.connect of the address file), results bitwise equal to local JAX's.
     address_file = str(islands_job.directory / connection_files.ADDRESS_FILE)
-    report = json.loads(finish(python_process(SAME_AS_LOCAL, address_file))[0].splitlines()[-1])
+    report = json.loads(finished_ok(python_script(SAME_ON_EVERY_ISLAND, address_file)).splitlines()[-1])
     assert report == {"hosts": ["127.0.0.1", "127.0.0.2"], "same": {"0": True, "1": True}}
-
-
-THROUGH_A_DEAD_STEP = """
-    import json, sys, time, jax, numpy as np, pathways_nb
-    pathways_nb.connect(sys.argv[1], timeout_s=60, progress=False)
-    island0, island1 = jax.devices()[0], jax.devices()[2]
-
-    def attempt(work):
-        try:
-            return {"value": np.asarray(work()).tolist()}
-        except Exception as error:
-            return {"error": f"{type(error).__name__}: {error}"}
-
-    kept = jax.device_put(np.arange(4, dtype=np.float32), island1)
-    print(json.dumps({"before": float(kept.sum())}), flush=True)
-    sys.stdin.readline()                                   # the test kills island 1's step; the cluster knows
-    report = {"kept": attempt(lambda: kept * 2), "island0": attempt(lambda: jax.device_put(np.ones(3), island0) + 1)}
-    deadline = time.monotonic() + 30                       # (the proxy hears of the cause with its next update)
-    while "Slurm node" not in (new := attempt(lambda: jax.device_put(np.ones(3), island1) + 1)).get("error", ""):
-        if "value" in new or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    report["new"] = new
-    print(json.dumps(report), flush=True)
-    sys.stdin.readline()                                   # the island is back
-    deadline = time.monotonic() + 60                       # (the proxy hears of it with its next update)
-    while "value" not in (fresh := attempt(lambda: jax.device_put(np.full(3, 41.0), island1) + 1)):
-        if time.monotonic() > deadline:
-            break
-        time.sleep(0.25)
-    print(json.dumps({"fresh": fresh}), flush=True)
-"""
 
 
 def _worker(observer: Observer, worker_id: str):
@@ -254,7 +210,11 @@ def _worker(observer: Observer, worker_id: str):
 
 
 def test_a_worker_step_killed_costs_its_island_until_the_step_is_started_again(slurm, islands_job):
-    client = python_process(THROUGH_A_DEAD_STEP, islands_job.address, env={"PATHWAYS_CLUSTER_TOKEN": islands_job.token})
+    client = python_script(
+        CLIENTS / "work_through_a_killed_worker_step.py",
+        islands_job.address,
+        env={"PATHWAYS_CLUSTER_TOKEN": islands_job.token},
+    )
     observer = Observer(islands_job.address, islands_job.token)
     try:
         assert json.loads(client.stdout.readline() or "{}") == {"before": 6.0}, client.stderr.read()[-3000:]
@@ -262,10 +222,11 @@ def test_a_worker_step_killed_costs_its_island_until_the_step_is_started_again(s
         step, node = _steps(slurm, islands_job.job_id)["worker-1-0"]
         assert node == "n2"
         slurm.run("scancel", "--signal=KILL", step, check=False)  # (22.05 says "error ... No error" and does it)
-        _wait_for(
-            lambda: (w := _worker(observer, "island1-host0")) and not w.healthy and "Slurm node n2" in w.down_reason,
+        wait_until(
+            lambda: _worker(observer, "island1-host0"),
             60,
-            "the resource manager to say island 1 is down, and why",
+            "the resource manager saying island 1 is down, and why",
+            holds=lambda w: w and not w.healthy and "Slurm node n2" in w.down_reason,
         )
         client.stdin.write("\n")
         client.stdin.flush()
@@ -275,7 +236,12 @@ def test_a_worker_step_killed_costs_its_island_until_the_step_is_started_again(s
         assert "killed by signal SIGKILL on Slurm node n2" in report["new"]["error"], report
         assert report["island0"] == {"value": [2.0] * 3}  # the other island kept serving
         # A new step on n2, whose worker registers: the island is back.
-        _wait_for(lambda: (w := _worker(observer, "island1-host0")) and w.healthy and w.pid != old_pid, 120, "island 1")
+        wait_until(
+            lambda: _worker(observer, "island1-host0"),
+            120,
+            "island 1's worker healthy again, a new process",
+            holds=lambda w: w and w.healthy and w.pid != old_pid,
+        )
         assert _steps(slurm, islands_job.job_id)["worker-1-0"][1] == "n2"
         client.stdin.write("\n")
         client.stdin.flush()
@@ -288,19 +254,6 @@ def test_a_worker_step_killed_costs_its_island_until_the_step_is_started_again(s
 
 
 # -- a SlurmCluster from a kernel, queued behind that job --------------------------------------
-
-READING_WHEN_THE_JOB_ENDS = """
-    import sys, jax, jax.numpy as jnp, numpy as np, pathways_nb
-    pathways_nb.connect(sys.argv[1], timeout_s=60, progress=False)
-    x = jax.device_put(np.ones((256, 256), np.float32), jax.devices()[0])
-    forever = jax.jit(lambda v: jax.lax.fori_loop(0, 2_000_000_000, lambda i, a: jnp.tanh(a @ v), v).sum())
-    result = forever(x)
-    print("reading", flush=True)
-    try:
-        print(float(result))
-    except Exception as error:
-        print(f"{type(error).__name__}: {error}", flush=True)
-"""
 
 SUBMIT = """
 import pathways_nb
@@ -319,16 +272,15 @@ print(sorted({d.host_index for d in jax.devices()}), len({d.host.rsplit(":", 1)[
 """
 
 
-def _shows(kernel: KernelSession, text: str) -> bool:
-    """Whether a widget of the cell that runs now shows ``text`` (its states are updated by another thread).
+def _widget_texts(kernel: KernelSession) -> list[str]:
+    """What the widgets of the cell that runs now show (their states are updated by another thread).
 
     tqdm's notebook bar writes its description with figure spaces (U+2007): read as spaces.
     """
     try:
-        values = [str(state.get("value", "")).replace("\u2007", " ") for state in list(kernel.widgets.values())]
+        return [str(state.get("value", "")).replace("\u2007", " ") for state in list(kernel.widgets.values())]
     except RuntimeError:  # the dictionary changed while read: look again
-        return False
-    return any(text in value for value in values)
+        return []
 
 
 @pytest.fixture(scope="module")
@@ -342,7 +294,7 @@ def test_a_slurm_cluster_waits_in_the_queue_then_runs_one_program_across_two_nod
     slurm, islands_job, kernel, tmp_path
 ):
     """Also: scancel of the job ahead ends all its processes, and a client reading from it is told why."""
-    reader = python_process(READING_WHEN_THE_JOB_ENDS, islands_job.address)
+    reader = python_script(CLIENTS / "reads_a_program_that_never_ends.py", islands_job.address)
     assert reader.stdout.readline() == "reading\n", reader.stderr.read()[-3000:]
     submitted: dict = {}
     code = SUBMIT.format(directory=str(tmp_path / "queued"), timeout=START_TIMEOUT_S)
@@ -351,8 +303,14 @@ def test_a_slurm_cluster_waits_in_the_queue_then_runs_one_program_across_two_nod
     queued = []
     try:
         # The new job waits for nodes (n1 and n2 are the batch job's), and the notebook shows it.
-        queued = _wait_for(lambda: [j for j in slurm.jobs() if j != islands_job.job_id], 60, "the submission")
-        _wait_for(lambda: _shows(kernel, f"Slurm job {queued[0]}: PENDING (Resources)"), 60, "the job's progress")
+        queued = wait_until(lambda: [j for j in slurm.jobs() if j != islands_job.job_id], 60, "the submission")
+        pending = f"Slurm job {queued[0]}: PENDING (Resources)"
+        wait_until(
+            lambda: _widget_texts(kernel),
+            60,
+            f"the notebook's progress bar showing {pending!r}",
+            holds=lambda texts: any(pending in text for text in texts),
+        )
         seconds = _cancel(slurm, islands_job.job_id)
         print(f"every process of job {islands_job.job_id} ended {seconds:.1f} s after scancel")
         out, err = finish(reader, 60)
@@ -375,7 +333,7 @@ def test_a_slurm_cluster_waits_in_the_queue_then_runs_one_program_across_two_nod
     assert not out["errors"], out
     assert "<SlurmCluster closed" in out["stdout"]
     assert slurm.job_state(queued[0]) == "CANCELLED"
-    _wait_for(lambda: not slurm.processes(queued[0]), GONE_WITHIN_S, "the SlurmCluster job's processes to end")
+    _wait_gone(slurm, queued[0])
 
 
 # -- salloc, then pathways-nb up --slurm --------------------------------------------------------
@@ -426,7 +384,7 @@ def test_up_inside_salloc_lays_the_cluster_over_the_allocation_and_scancel_ends_
         out = kernel.run("%pathways connect slurm://999999")
         assert "Slurm job 999999" in out["stderr"] + out["stdout"], out
         assert not kernel.run(f"%pathways connect slurm://{job_id}")["errors"]
-        out = kernel.run(ON_EVERY_ISLAND + "%pathways disconnect")
+        out = kernel.run(f"%run {SAME_ON_EVERY_ISLAND}\n%pathways disconnect")
         report = json.loads(out["stdout"].splitlines()[0])
         assert report == {"hosts": ["127.0.0.1", "127.0.0.2", "127.0.0.3"], "same": {"0": True, "1": True, "2": True}}
         # The workers serve only TLS (the proxy's own port stays plaintext: the stock client speaks only that).

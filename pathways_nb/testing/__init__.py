@@ -417,19 +417,18 @@ class KernelSession:
             late = self.late.setdefault(message["parent_header"].get("msg_id", ""), {"stdout": "", "stderr": ""})
             late[message["content"]["name"]] += message["content"]["text"]
 
-    def wait_for_late(self, message_id: str, condition, timeout_s: float = 60.0) -> dict:
-        """Reads the kernel's output (while no cell runs) until ``condition(late output of message_id)`` holds."""
+    def wait_for_late(self, message_id: str, condition: Callable[[dict], object], timeout_s: float = 60.0) -> dict:
+        """Reads the kernel's output (while no cell runs) until ``condition(late output of message_id)`` holds;
+        returns that output (``{"stdout": ..., "stderr": ...}``)."""
         import queue
 
-        deadline = time.monotonic() + timeout_s
-        while not condition(self.late.get(message_id, {"stdout": "", "stderr": ""})):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"the late output of {message_id} did not come: {self.late.get(message_id)}")
-            try:
-                self._keep_late(self.client.get_iopub_msg(timeout=1.0))
-            except queue.Empty:
-                pass
-        return self.late[message_id]
+        def late_output() -> dict:
+            with contextlib.suppress(queue.Empty):
+                while True:  # what has come by now
+                    self._keep_late(self.client.get_iopub_msg(timeout=0))
+            return self.late.get(message_id, {"stdout": "", "stderr": ""})
+
+        return wait_until(late_output, timeout_s, f"the late output of cell {message_id}", holds=condition)
 
     def widget_state(self, model_id: str) -> dict:
         return self.widgets.get(model_id, {})

@@ -21,10 +21,11 @@ import shutil
 import socket
 import subprocess
 import tempfile
-import time
-from collections.abc import Sequence
+from collections.abc import Callable
 
 import psutil
+
+from pathways_nb.testing import wait_until
 
 # Debian's packages that make this Slurm (what `make slurm` installs).
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
@@ -162,11 +163,11 @@ class LocalSlurm:
             "munged", "-F", f"--socket={d}/munge.sock", f"--key-file={key}", f"--pid-file={d}/munged.pid",
             f"--log-file={d}/log/munged.log", f"--seed-file={d}/munged.seed",
         )  # fmt: skip
-        self._wait(lambda: os.path.exists(f"{d}/munge.sock"), timeout_s, "munged to listen")
+        self._wait(lambda: os.path.exists(f"{d}/munge.sock"), timeout_s, "munged listening")
         self._daemon("slurmctld", "-D", "-c", "-i")
         for name in self.node_names:
             self._daemon("slurmd", "-D", "-N", name)
-        self._wait(self._all_idle, timeout_s, "every node to be idle")
+        self._wait(self._all_idle, timeout_s, "every node idle")
 
     def _all_idle(self) -> bool:
         dead = [p.args[0] for p in self._daemons if p.poll() is not None]
@@ -175,12 +176,8 @@ class LocalSlurm:
         states = self.run("sinfo", "-h", "-N", "-o", "%T", check=False).stdout.split()
         return len(states) == len(self.node_names) and set(states) == {"idle"}
 
-    def _wait(self, condition, timeout_s: float, what: str) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not condition():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"Slurm: waited {timeout_s:g} s for {what}; see {self.directory}/log")
-            time.sleep(0.05)
+    def _wait(self, condition: Callable[[], object], timeout_s: float, what: str) -> None:
+        wait_until(condition, timeout_s, f"Slurm: {what} (its logs: {self.directory}/log)")
 
     def stop(self, timeout_s: float = 30.0) -> list[str]:
         """Cancels every job, stops the daemons (munged last) and kills whatever still runs under this Slurm.
@@ -192,7 +189,7 @@ class LocalSlurm:
         if self._daemons:
             self.run("scancel", "--full", "-u", str(os.getuid()), check=False)
             with contextlib.suppress(TimeoutError):
-                self._wait(lambda: not self.jobs() and not self._steps_running(), timeout_s, "the jobs to end")
+                self._wait(lambda: not self.jobs() and not self._steps_running(), timeout_s, "every job ended")
             for process in reversed(self._daemons):  # slurmds, slurmctld, then munged
                 if process.poll() is None:
                     process.terminate()
@@ -258,15 +255,4 @@ class LocalSlurm:
                 environment = process.environ()
                 if all(environment.get(k) == v for k, v in wanted.items()):
                     found.append(process)
-        return found
-
-    def wait_for_job_state(self, job_id: str, states: Sequence[str], timeout_s: float = 60.0) -> str:
-        found = ""
-
-        def reached() -> bool:
-            nonlocal found
-            found = self.job_state(job_id)
-            return found in states
-
-        self._wait(reached, timeout_s, f"job {job_id} to be {' or '.join(states)}")
         return found

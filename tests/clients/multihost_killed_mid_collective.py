@@ -39,7 +39,7 @@ while time.monotonic() - started < 90:
         outcomes.append({"ok": value == 1.0, "s": time.monotonic() - began})
     except Exception as error:  # noqa: BLE001 - the errors are what the test checks
         outcomes.append({"error": str(error)[:300], "s": time.monotonic() - began})
-        time.sleep(0.1)
+        time.sleep(0.1)  # the interval of its retries while the host is down (the loop is bounded above)
     if len(outcomes) == 20:
         print("running", flush=True)  # the test kills a host of the island now
     failed = [i for i, o in enumerate(outcomes) if "error" in o]
