@@ -1,11 +1,11 @@
-"""The proxy's event loop never waits for a worker: one session's slow worker round trip holds up no one else.
+"""No server's event loop ever waits: one session's slow work holds up no one else, and the watchdog says so.
 
-Session A asks for something its island's worker must answer first (a program's cost
-analysis; a reshard that the proxy does through its own memory, reading the array) while
-that worker is stopped (SIGSTOP, shorter than the resource
-manager's heartbeat time-out, so nothing is declared dead). Session B, on the
-other island, meanwhile runs a program and reads its result: its requests are
-served on the same event loop, and must not wait for A's answer.
+Three views of it. A worker stopped (SIGSTOP) while one session waits for its answer: another session,
+on another island, is served meanwhile by the same proxy loop. A 256 MiB upload to a worker: another
+session's tiny programs on the same worker keep their pace. And everything at once on one cluster (big
+uploads and tiny programs and new compiles on one worker, pathwaysutils' plugin programs, exclusive
+sessions queued for an island): every server's loop watchdog (``core.loop``) then reports no stall in a
+callback over 0.5 s.
 """
 
 from __future__ import annotations
@@ -16,56 +16,23 @@ import signal
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from pathways_nb.client.observe import Observer
 from pathways_nb.core import shared_memory
+from pathways_nb.core.security import TOKEN_ENV
 from pathways_nb.launch.local_cluster import LocalCluster
-from pathways_nb.testing import python_process
+from pathways_nb.testing import finished_ok, long_callback_stalls, python_script, wait_until
 
+CLIENTS = Path(__file__).with_name("clients")
 # How long A's worker stays stopped at most: a stall shorter than 2.5 s is never a death anywhere (core.keepalive).
 STOPPED_S = 2.0
-
-SLOW = """
-    import sys, jax, jax.numpy as jnp, numpy as np, pathways_nb
-    pathways_nb.connect(sys.argv[1], tenant="slow", islands=[0])
-    compiled = jax.jit(lambda a: jnp.tanh(a @ a)).lower(np.ones((64, 64), np.float32)).compile()
-    print("ready", flush=True)
-    sys.stdin.readline()
-    print("asking", flush=True)
-    costs = compiled.cost_analysis()                  # the worker answers this one
-    costs = costs[0] if isinstance(costs, list) else costs
-    print("flops", costs["flops"], flush=True)
-"""
-
-# Replicating an array sharded over both islands (an IFRT reshard, as pathwaysutils sends it): no
-# worker holds all of it, so the proxy reads it.
-SLOW_RESHARD = """
-    import sys, jax, numpy as np, pathways_nb, pathwaysutils.reshard
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    pathways_nb.connect(sys.argv[1], tenant="slow")
-    mesh = Mesh(np.array(jax.devices()), ("x",))      # island 0's device and island 1's
-    a = jax.device_put(np.arange(8, dtype=np.float32), NamedSharding(mesh, P("x"))).block_until_ready()
-    print("ready", flush=True)
-    sys.stdin.readline()
-    print("asking", flush=True)
-    b = pathwaysutils.reshard.reshard(a, NamedSharding(mesh, P()))
-    print("value", float(np.asarray(b)[5]), flush=True)
-"""
-
-PROMPT = """
-    import sys, time, jax, numpy as np, pathways_nb
-    pathways_nb.connect(sys.argv[1], tenant="prompt", islands=[1])
-    step = jax.jit(lambda x: x * 2 + 1)
-    x = jax.device_put(np.arange(8, dtype=np.float32), jax.devices()[0])
-    step(x).block_until_ready()
-    print("ready", flush=True)
-    sys.stdin.readline()
-    started = time.perf_counter()
-    value = float(step(x)[3])                         # execute, then read the result back
-    print("served", time.perf_counter() - started, value, flush=True)
-"""
+# The longest a server's loop may spend in one callback (the watchdog notices from tuning's loop_stall_s).
+LONGEST_STALL_S = 0.5
+UPLOADS = 5
+NO_SHARED_MEMORY = {shared_memory.ENABLE_ENV: "0"}  # over gRPC, as from another host: bytes through the loops
 
 
 def _line(process: subprocess.Popen) -> str:
@@ -74,6 +41,11 @@ def _line(process: subprocess.Popen) -> str:
         process.kill()
         raise AssertionError(f"the client ended early:\n{process.stderr.read()[-3000:]}")
     return line
+
+
+def _go(process: subprocess.Popen) -> None:
+    process.stdin.write("go\n")
+    process.stdin.flush()
 
 
 def _requests_served(cluster: LocalCluster, tenant: str) -> int:
@@ -85,17 +57,26 @@ def _requests_served(cluster: LocalCluster, tenant: str) -> int:
         observer.close()
 
 
-def _go(process: subprocess.Popen) -> None:
-    process.stdin.write("go\n")
-    process.stdin.flush()
+def _end(*processes: subprocess.Popen) -> None:
+    for process in processes:
+        process.kill()
+        process.communicate()
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize(("slow_code", "answer"), [(SLOW, "flops"), (SLOW_RESHARD, "value")], ids=["cost", "reshard"])
-def test_a_stopped_worker_holds_up_only_the_session_that_waits_for_it(slow_code, answer):
+@pytest.mark.parametrize(
+    ("slow_client", "answer"),
+    [("asks_island_0_for_costs.py", "flops"), ("replicates_across_islands.py", "value")],
+    ids=["cost", "reshard"],
+)
+def test_a_stopped_worker_holds_up_only_the_session_that_waits_for_it(slow_client, answer):
+    """Session A asks for something island 0's worker must answer first (a program's cost analysis; a reshard
+    the proxy does through its own memory, reading the array) while that worker is stopped, for less than the
+    resource manager's heartbeat time-out. Session B, on island 1, meanwhile runs a program and reads its
+    result: served on the same proxy loop, it must not wait for A's answer."""
     with LocalCluster(islands=2, devices_per_host=1) as cluster:
-        slow = python_process(slow_code, cluster.address)
-        prompt = python_process(PROMPT, cluster.address)
+        slow = python_script(CLIENTS / slow_client, cluster.address)
+        prompt = python_script(CLIENTS / "one_step_on_island_1.py", cluster.address)
         worker = cluster.workers[(0, 0)].process
         resumed = threading.Event()  # set when the worker is let go: by the timer, or once B is served
         resume = threading.Timer(STOPPED_S, lambda: (resumed.set(), os.kill(worker.pid, signal.SIGCONT)))
@@ -108,10 +89,12 @@ def test_a_stopped_worker_holds_up_only_the_session_that_waits_for_it(slow_code,
             _go(slow)
             assert _line(slow) == "asking"
             # A's request is at the proxy, whose answer waits for the stopped worker.
-            deadline = stopped_at + STOPPED_S
-            while _requests_served(cluster, "slow") == served:
-                assert time.monotonic() < deadline, "A's request did not reach the proxy"
-                time.sleep(0.01)
+            wait_until(
+                lambda: _requests_served(cluster, "slow"),
+                STOPPED_S,
+                "A's request at the proxy",
+                holds=lambda n: n > served,
+            )
             _go(prompt)
             word, seconds, value = _line(prompt).split()
             # Served while A's worker was still stopped, not after it was let go.
@@ -126,61 +109,37 @@ def test_a_stopped_worker_holds_up_only_the_session_that_waits_for_it(slow_code,
         finally:
             resume.cancel()
             os.kill(worker.pid, signal.SIGCONT)
-            for process in (slow, prompt):
-                process.kill()
-                process.communicate()
+            _end(slow, prompt)
 
 
-# The same 256 MiB upload, UPLOADS times in a row once told to go; then each one's start and end.
-UPLOADS = 5
-UPLOADER = """
-    import json, sys, time, jax, numpy as np, pathways_nb
-    pathways_nb.connect(sys.argv[1], tenant="uploader")
-    big = np.ones(64 << 20, np.float32)                   # 256 MiB
-    jax.device_put(big[:8], jax.devices()[0]).block_until_ready()
-    print("ready", flush=True)
-    sys.stdin.readline()
-    times = []
-    for _ in range(int(sys.argv[2])):
-        started = time.time()
-        jax.device_put(big, jax.devices()[0]).block_until_ready().delete()
-        times.append((started, time.time()))
-    print(json.dumps(times), flush=True)
-"""
-
-# Tiny programs until told to stop, then each one's start time and round trip.
-TICKER = """
-    import json, sys, threading, time, jax, numpy as np, pathways_nb
-    pathways_nb.connect(sys.argv[1], tenant="ticker")
-    step = jax.jit(lambda x: x + 1)
-    x = jax.device_put(np.float32(1), jax.devices()[-1])     # not the uploader's device (nor its island)
-    float(step(x))
-    stop = threading.Event()
-    threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
-    print("ready", flush=True)
-    ticks = []
-    while not stop.is_set():
-        started = time.time()
-        float(step(x))
-        ticks.append((started, time.time() - started))
-    print(json.dumps(ticks), flush=True)
-"""
+def _slowest_tick_per_upload(uploads: list, ticks: list) -> list[tuple[float, float]]:
+    """Per upload: the slowest tick that overlapped it (one the put held up would), and the upload's time."""
+    return [
+        (
+            max(
+                (took for start, took, *_ in ticks if start < ended and start + took > started), default=ended - started
+            ),
+            ended - started,
+        )
+        for started, ended in uploads
+    ]
 
 
 @pytest.mark.timeout(240)
-def test_a_large_upload_holds_up_no_other_session(backend):
-    """A 256 MiB upload is put on its device off the proxy's event loop, so that another session's
-    tiny programs (on another device) keep their pace meanwhile: the slowest round trip that overlaps
-    an upload is a small fraction of the upload's time.
+def test_a_large_upload_holds_up_no_other_session_on_its_worker(backend):
+    """A 256 MiB upload is put on its device off the proxy's loop and off its worker's, so that another
+    session's tiny programs on another device of the same worker keep their pace meanwhile: the slowest
+    round trip that overlaps an upload is a small fraction of the upload's time.
 
-    Judged on the best of five uploads: a put on the loop holds up every one (a cluster's proxy
-    writing the worker's file: 17-27% of each upload's time, beside a CPU hog or not), while off
-    the loop the best stays under 6% even beside a hog, whose one-off stalls (0.58 s of one 1.06 s
-    upload, once) hold up single uploads, not the verdict. The single-process proxy's CPU put costs
-    next to nothing, so there this shows that the upload's arrival holds up no one."""
-    # Over gRPC (as from another host): on this host the proxy would map the client's file, no copy.
-    uploader = python_process(UPLOADER, backend.address, str(UPLOADS), env={shared_memory.ENABLE_ENV: "0"})
-    ticker = python_process(TICKER, backend.address)
+    Judged on the best of five uploads: a put on a loop holds up every one (a cluster's proxy writing the
+    worker's file: 17-27% of each upload's time, beside a CPU hog or not), while off the loops the best stays
+    under 6% even beside a hog, whose one-off stalls hold up single uploads, not the verdict. The
+    single-process proxy's CPU put costs next to nothing, so there this shows that the upload's arrival holds
+    up no one."""
+    uploader = python_script(
+        CLIENTS / "uploads_large_arrays.py", backend.address, str(UPLOADS), "0", env=NO_SHARED_MEMORY
+    )
+    ticker = python_script(CLIENTS / "ticks.py", backend.address, "1", "0")
     try:
         assert _line(uploader) == "ready" and _line(ticker) == "ready"
         _go(uploader)
@@ -188,16 +147,60 @@ def test_a_large_upload_holds_up_no_other_session(backend):
         _go(ticker)
         ticks = json.loads(_line(ticker))
     finally:
-        for process in (uploader, ticker):
-            process.kill()
-            process.communicate()
+        _end(uploader, ticker)
     assert len(uploads) == UPLOADS
-    # Per upload: the slowest tick that overlapped it (one the put held up would), and its time.
-    held_up = [
-        (
-            max((took for start, took in ticks if start < ended and start + took > started), default=ended - started),
-            ended - started,
-        )
-        for started, ended in uploads
-    ]
+    held_up = _slowest_tick_per_upload(uploads, ticks)
     assert min(slowest / took for slowest, took in held_up) < 1 / 10, held_up
+
+
+@pytest.mark.timeout(600)
+def test_no_loop_stalls_under_uploads_compiles_plugins_and_queued_sessions():
+    """On one cluster at once: 256 MiB uploads and a ticker compiling a new program every few ticks on the same
+    worker of island 0, pathwaysutils' profiling (plugin programs the proxy compiles) on island 0 too, and two
+    tenants queued for island 1, which a third holds exclusively until the uploads are done. All of it
+    finishes, and no server's loop (the resource manager's, the proxy's, each worker's) ran one callback for
+    more than 0.5 s."""
+    with LocalCluster(islands=2, devices_per_host=2) as cluster:
+        # The token lets disconnect() end the session through the observe API.
+        holder = python_script(
+            CLIENTS / "holds_devices_exclusively.py", cluster.address, "1", env={TOKEN_ENV: cluster.token}
+        )
+        clients = [holder]
+        try:
+            assert _line(holder) == "holding"
+            queued = [
+                python_script(CLIENTS / "queues_for_an_island.py", cluster.address, f"queued-{i}") for i in (1, 2)
+            ]
+            clients += queued
+            wait_until(
+                lambda: {q.tenant for q in cluster.state().queue},
+                120,
+                "both tenants queued for island 1",
+                holds=lambda t: t == {"queued-1", "queued-2"},
+            )
+            uploader = python_script(
+                CLIENTS / "uploads_large_arrays.py", cluster.address, str(UPLOADS), "0", env=NO_SHARED_MEMORY
+            )
+            ticker = python_script(CLIENTS / "ticks.py", cluster.address, "1", "5")
+            profiler = python_script(CLIENTS / "profiles_in_turn.py", cluster.address, cluster.storage_root)
+            clients += [uploader, ticker, profiler]
+            assert [_line(c) for c in (uploader, ticker, profiler)] == ["ready"] * 3
+            _go(uploader)  # the ticker and the profiler are at work already
+            uploads = json.loads(_line(uploader))
+            _go(holder)  # releases island 1: the queued tenants get it in turn
+            assert _line(holder) == "released"
+            served = [finished_ok(q, 240).split() for q in queued]
+            _go(ticker)
+            _go(profiler)
+            ticks = json.loads(_line(ticker))
+            traces = int(_line(profiler))
+            stats = cluster.loop_stats()
+        finally:
+            _end(*clients)
+    assert len(uploads) == UPLOADS and traces >= 1
+    assert served == [["served", "7.0"]] * 2
+    assert sum(1 for *_, fresh in ticks if fresh) >= 3, "the ticker compiled too few new programs to tell"
+    processes = [s.process for s in stats]
+    assert {"resource manager", "proxy", "worker island0-host0", "worker island1-host0"} <= set(processes), processes
+    stalled = long_callback_stalls(stats, LONGEST_STALL_S)
+    assert not stalled, f"loops that ran a callback for more than {LONGEST_STALL_S} s: {stalled}"

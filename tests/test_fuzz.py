@@ -36,7 +36,8 @@ import pytest
 from pathways_nb import testing
 from pathways_nb.core import nonxla
 from pathways_nb.core import persistence_requests as persistence
-from pathways_nb.core.security import TOKEN_ENV
+from pathways_nb.core.security import TOKEN_ENV, ClusterCredentials
+from pathways_nb.launch import local_cluster
 from pathways_nb.launch.local_cluster import LocalCluster
 from pathways_nb.protocol import data_messages, op_sharding, schema, shardings
 from pathways_nb.testing import WireSession
@@ -781,14 +782,17 @@ def _fuzz_and_check(
     corpus,
     seconds: float,
     token: str | None = None,
+    loop_stats: Callable[[], list] | None = None,
 ) -> None:
+    """Fuzzes the server at ``address``; then no process died, no finding, memory back, and (``loop_stats``:
+    its servers' watchdog counts) no loop ran one callback for more than 0.5 s meanwhile."""
     pids = [psutil.Process(p.process.pid) for p in processes]
     earlier = testing.open_sessions(address, token)  # (this process's own, if a test before connected it)
     # Warm: what a first client loads stays loaded, the profilers that the fuzzer's traces start too.
     _run_client(address, stock=False, token=token, warm_profilers=True)
     testing.wait_until_sessions_end(address, token, besides=earlier)
     before = _rss(pids)
-    started = time.monotonic()
+    started, started_at = time.monotonic(), time.time()
     findings = _fuzz(address, corpus, seconds, SEED, alive)
     elapsed = time.monotonic() - started
     dead = alive()
@@ -808,6 +812,8 @@ def _fuzz_and_check(
     assert not findings.bugs, summary + "\nfirst findings:\n" + "\n".join(findings.bugs[:15])
     for process, b, a in zip(processes, before, after, strict=True):
         assert a - b < RSS_SLACK, f"{process.name} grew by {(a - b) >> 20} MiB: {summary}"
+    stalled = testing.long_callback_stalls(loop_stats(), since=started_at) if loop_stats else {}
+    assert not stalled, f"{name}: loops that ran a callback for more than 0.5 s while fuzzed: {stalled}"
 
 
 def test_fuzz_single_process_proxy(proxy_server, captured):
@@ -818,6 +824,7 @@ def test_fuzz_single_process_proxy(proxy_server, captured):
         proxy_server.address,
         captured,
         SECONDS,
+        loop_stats=lambda: [local_cluster.loop_stats(proxy_server.hostport, ClusterCredentials())],
     )
 
 
@@ -833,7 +840,16 @@ def _deaths(cluster: LocalCluster) -> Callable[[], list[str]]:
 
 
 def test_fuzz_cluster(cluster, captured):
-    _fuzz_and_check("cluster", cluster.processes(), _deaths(cluster), cluster.address, captured, SECONDS, cluster.token)
+    _fuzz_and_check(
+        "cluster",
+        cluster.processes(),
+        _deaths(cluster),
+        cluster.address,
+        captured,
+        SECONDS,
+        cluster.token,
+        loop_stats=cluster.loop_stats,
+    )
 
 
 def test_fuzz_colocated_python_cluster(captured):
@@ -849,7 +865,14 @@ def test_fuzz_colocated_python_cluster(captured):
 
         corpus = captured + relay.log
         _fuzz_and_check(
-            "colocated", cluster.processes(), _deaths(cluster), cluster.address, corpus, SECONDS, cluster.token
+            "colocated",
+            cluster.processes(),
+            _deaths(cluster),
+            cluster.address,
+            corpus,
+            SECONDS,
+            cluster.token,
+            loop_stats=cluster.loop_stats,
         )
         _run_client(cluster.address, stock=False, script=COLOCATED_CLIENT)
 

@@ -8,13 +8,15 @@ from pathlib import Path
 import pytest
 
 from pathways_nb.launch.local_cluster import LocalCluster
-from pathways_nb.testing import finish, python_script, soak
+from pathways_nb.testing import finish, long_callback_stalls, python_script, soak
 
 
 def test_small_soak_has_no_wrong_results_and_memory_comes_back():
     with LocalCluster(islands=2, devices_per_host=2) as cluster:
         report = soak.run(cluster, clients=3, seconds=12)
+        stalled = long_callback_stalls(cluster.loop_stats())
     print(report.table())
+    assert not stalled, f"loops that ran a callback for more than 0.5 s: {stalled}"
     assert report.killed_ok, report.killed_note
     assert len(report.clients) == 2 and all(c["iterations"] > 0 and c["connects"] >= 1 for c in report.clients)
     assert report.wrong == 0, report.clients

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import TypeVar
 
 import grpc
@@ -240,6 +240,25 @@ def open_sessions(address: str, token: str | None = None) -> set[int]:
         return {session.session_id for session in observer.state().sessions}
     finally:
         observer.close()
+
+
+def long_callback_stalls(stats: Iterable, longer_than_s: float = 0.5, since: float = 0.0) -> dict[str, list[tuple]]:
+    """The times a server's loop ran one callback for more than ``longer_than_s`` (what the loop discipline
+    forbids), that ended after ``since`` (``time.time()``), by process: each (seconds, its innermost frames).
+
+    ``stats``: ``pb.LoopStats`` as ``LocalCluster.loop_stats()`` or ``local_cluster.loop_stats`` read them. Stalls
+    outside callbacks (the loop's thread waiting for a CPU on a loaded machine) are not the servers' doing.
+    """
+    found = {}
+    for process in stats:
+        stalls = [
+            (round(stall.seconds, 2), stall.where.splitlines()[-2:])
+            for stall in process.longest
+            if stall.in_callback and stall.seconds > longer_than_s and stall.ended >= since
+        ]
+        if stalls:
+            found[process.process] = stalls
+    return found
 
 
 def wait_until_sessions_end(
