@@ -16,6 +16,7 @@ the reason otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import os
@@ -34,7 +35,7 @@ from pathways_nb.core import security
 from pathways_nb.launch.processes import ChildServer
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
-from pathways_nb.testing import python_script, wait_until
+from pathways_nb.testing import finished_ok, python_script, wait_until
 
 HOSTS = 2
 DEVICES_PER_HOST = 2
@@ -139,7 +140,7 @@ def network() -> Iterator[Network]:
     network = Network()
     try:
         try:
-            network.create(HOSTS)
+            network.create(HOSTS + 2)  # the island's hosts, then two islands of one host
         except RuntimeError as error:  # e.g. no CAP_NET_ADMIN, or a kernel without veth or bridges
             pytest.skip(f"could not build the hosts' network: {error}")
         yield network
@@ -173,8 +174,10 @@ def _environment(home: str | None = None) -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="module")
-def cluster(network: Network) -> Iterator[Cluster]:
+@contextlib.contextmanager
+def _cluster(network: Network, islands: int, hosts_per_island: int, first_namespace: int = 0) -> Iterator[Cluster]:
+    """A cluster whose resource manager and proxy are on the bridge, and whose every host is a namespace of its
+    own (``first_namespace`` on): host h of island i in namespace ``first_namespace + i * hosts_per_island + h``."""
     directory = tempfile.TemporaryDirectory(prefix="pathways-netns-")
     token = security.generate_token()
     token_file = os.path.join(directory.name, "token")
@@ -184,32 +187,36 @@ def cluster(network: Network) -> Iterator[Cluster]:
     try:
         rm = ChildServer(
             "resource-manager",
-            f"resource-manager --server_port 0 --host {root} --instance_count 1 "
-            f"--instance_type cpu:{HOSTS}x{DEVICES_PER_HOST} --token_file {token_file}".split(),
+            f"resource-manager --server_port 0 --host {root} --instance_count {islands} "
+            f"--instance_type cpu:{hosts_per_island}x{DEVICES_PER_HOST} --token_file {token_file}".split(),
             env=_environment(),
             host=root,
         )
         children.append(rm)
         rm.start(60)
         workers = []
-        for host in range(HOSTS):
-            home = os.path.join(directory.name, f"host{host}")
-            os.mkdir(home)
-            address = network.address(host)
-            worker = ChildServer(
-                f"worker-{host}",
-                f"worker --resource_manager_address {rm.hostport} --server_port 0 --host {address} "
-                f"--advertise_address {address} --island 0 --host_index {host} --hosts_per_island {HOSTS} "
-                f"--coordinator_address {network.address(0)}:{COORDINATOR_PORT} --devices {DEVICES_PER_HOST} "
-                f"--platform cpu --token_file {token_file}".split(),
-                env=_environment(home),
-                host=address,
-                prefix=["ip", "netns", "exec", network.namespaces[host]],
-                cwd=home,
-            )
-            children.append(worker)
-            workers.append(worker)
-            worker.launch()
+        for island in range(islands):
+            first = first_namespace + island * hosts_per_island  # the island's host 0 serves its coordination
+            for host in range(hosts_per_island):
+                namespace = first + host
+                home = os.path.join(directory.name, f"host{namespace}")
+                os.mkdir(home)
+                address = network.address(namespace)
+                worker = ChildServer(
+                    f"worker-{island}-{host}",
+                    f"worker --resource_manager_address {rm.hostport} --server_port 0 --host {address} "
+                    f"--advertise_address {address} --island {island} --host_index {host} "
+                    f"--hosts_per_island {hosts_per_island} "
+                    f"--coordinator_address {network.address(first)}:{COORDINATOR_PORT} --devices {DEVICES_PER_HOST} "
+                    f"--platform cpu --token_file {token_file}".split(),
+                    env=_environment(home),
+                    host=address,
+                    prefix=["ip", "netns", "exec", network.namespaces[namespace]],
+                    cwd=home,
+                )
+                children.append(worker)
+                workers.append(worker)
+                worker.launch()
         for worker in workers:
             worker.wait_started(120)
         proxy = ChildServer(
@@ -233,6 +240,13 @@ def cluster(network: Network) -> Iterator[Cluster]:
             child.close()
         directory.cleanup()
         assert not [pid for pid in pids if psutil.pid_exists(pid)], "a cluster process outlived its teardown"
+
+
+@pytest.fixture(scope="module")
+def cluster(network: Network) -> Iterator[Cluster]:
+    """One island of two hosts, in namespaces 0 and 1."""
+    with _cluster(network, islands=1, hosts_per_island=HOSTS) as cluster:
+        yield cluster
 
 
 def test_spmd_programs_across_namespaced_hosts_equal_local_jax(cluster: Cluster):
@@ -260,10 +274,11 @@ class Connection:
     status: str
 
 
-def _connections(child: ChildServer) -> list[Connection]:
-    """A child's TCP sockets, seen from inside its namespace (psutil reads the caller's namespace's /proc/net)."""
+def _connections(child: ChildServer, pid: int | None = None) -> list[Connection]:
+    """A child's TCP sockets (or those of process ``pid`` in the child's namespace), seen from inside its
+    namespace (psutil reads the caller's namespace's /proc/net)."""
     seen = subprocess.run(
-        [*child.prefix, sys.executable, str(CLIENTS / "inet_connections.py"), str(child.process.pid)],
+        [*child.prefix, sys.executable, str(CLIENTS / "inet_connections.py"), str(pid or child.process.pid)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -316,6 +331,25 @@ def _wait_for_worker(cluster: Cluster, worker_id: str, what: str, condition, tim
         f"{worker_id} {what}",
         holds=lambda state: state is not None and condition(state),
     )
+
+
+def test_a_program_over_two_islands_in_namespaces_crosses_between_them(network: Network):
+    """Two islands of one host each, in namespaces 2 and 3: programs over a hybrid mesh of both (their group's
+    members, started by each island's worker in its namespace, reach each other only at the namespaces'
+    addresses) equal local JAX, and island 1's member talks to island 0's at island 0's own address. Run
+    before the cut: it needs every namespace's link up."""
+    with _cluster(network, islands=2, hosts_per_island=1, first_namespace=HOSTS) as pair:
+        client = python_script(CLIENTS / "multislice_equals_local.py", pair.proxy.address, pair.token)
+        checks = json.loads(finished_ok(client, 300).splitlines()[-1])
+        assert all(checks.values()) and len(checks) == 9, checks
+        (group,) = pair.state().groups
+        island_0, island_1 = network.address(HOSTS), network.address(HOSTS + 1)
+        hosts = sorted(member.address.rsplit(":", 1)[0] for member in group.members)
+        assert group.healthy and hosts == sorted([island_0, island_1]), group
+        member_1 = next(member for member in group.members if member.address.startswith(island_1 + ":"))
+        seen = _connections(pair.workers[1], member_1.pid)
+        across = [c for c in seen if c.remote == island_0]
+        assert across and all(c.local == island_1 for c in across), seen
 
 
 def test_a_host_whose_network_is_cut_is_found_unhealthy_and_is_back_when_it_returns(cluster: Cluster):
