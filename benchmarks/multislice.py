@@ -1,6 +1,6 @@
 """One program across islands (multislice): training throughput over two islands vs one, and the DCN's bandwidth.
 
-    python benchmarks/multislice.py [--seconds 8] [--sizes-mib 4,16,64,256]
+    python benchmarks/multislice.py [--seconds 8] [--sizes_mib 4,16,64,256]
 
 1. The paper's two-island figure: a data-parallel training step (an MLP, the global batch split over
    every device, the gradient averaged over all of them) on 2 islands x 1 host x 2 devices, where the
@@ -99,7 +99,7 @@ def _run(cluster: LocalCluster, code: str, *args: str) -> object:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=8.0, help="how long each training measurement runs")
-    parser.add_argument("--sizes-mib", default="4,16,64,256", help="all-reduce sizes, MiB per device")
+    parser.add_argument("--sizes_mib", default="4,16,64,256", help="all-reduce sizes, MiB per device")
     args = parser.parse_args()
     rows = []
     with LocalCluster(islands=2, hosts_per_island=1, devices_per_host=2) as two_islands:

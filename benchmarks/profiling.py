@@ -1,12 +1,12 @@
 """Device profiles: what a trace costs a running step, and how long a long trace takes to write and read.
 
-    python benchmarks/profiling.py [--rounds 4] [--steps 40] [--long-seconds 60]
+    python benchmarks/profiling.py [--rounds 4] [--steps 40] [--long_seconds 60]
 
 1. Overhead: a ~10 ms training step on a 2-island cluster (one step per island, both islands
    busy), timed over ``--steps`` steps with no trace and with every worker, the proxy and the
    resource manager tracing (``pathways_nb.profile``), in alternating rounds in one run; the
    ratio of the medians is the trace's cost.
-2. A long trace: the same step for ``--long-seconds`` under a trace, then the time for the
+2. A long trace: the same step for ``--long_seconds`` under a trace, then the time for the
    workers to stop and write it, for the notebook to fetch it, and to parse it into device spans,
    with the files' sizes.
 On a shared 2-core machine every process competes for the same cores: read the ratio, and the
@@ -66,9 +66,9 @@ def _timed(step, replicas, steps: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--long-seconds", type=float, default=60.0)
+    parser.add_argument("--rounds", type=int, default=4, help="measurements per row")
+    parser.add_argument("--steps", type=int, default=40, help="training steps per measurement")
+    parser.add_argument("--long_seconds", type=float, default=60.0, help="how long the long trace runs")
     args = parser.parse_args()
     with LocalCluster(islands=2, devices_per_host=2) as cluster:
         session = pathways_nb.connect(cluster.address, token=cluster.token, progress=False)
