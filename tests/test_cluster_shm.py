@@ -138,7 +138,11 @@ def test_a_file_outside_the_private_root_is_refused(proxy, cluster, tmp_path):
     link = _link(session, device)
     stranger = tmp_path / "not-shared"
     stranger.write_bytes(bytes(4096))
-    meta = array_meta(dtypes.from_numpy(np.dtype(np.uint8)), (4096,), session._local(IfrtSharding((device,))))
+    meta = array_meta(
+        dtypes.from_numpy(np.dtype(np.uint8)),
+        (4096,),
+        session._local(IfrtSharding((device,)), session._placed((device,))),
+    )
     array_id = link.new_id()
     link.send(pb.Command(put=pb.Put(id=array_id, meta=meta, shared=pb.SharedFile(path=str(stranger), size=4096))))
     with pytest.raises(RequestError, match="PATHWAYS_SHARED_MEMORY=0"):

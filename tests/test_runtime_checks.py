@@ -122,4 +122,6 @@ def test_both_runtimes_describe_devices_alike(servers):
             "CpuDevice(id=0)" if name != "cluster" else "CpuDevice(id=0, slice_index=0)",
         )
     names = {name: sorted(device.attributes.attributes) for name, device in described.items()}
-    assert names["single-process"] == names["cluster"] == ["coords", "host", "host_index", "slice_index"], names
+    assert names["single-process"] == names["cluster"] == ["coords", "host", "host_index", "island", "slice_index"], (
+        names
+    )

@@ -164,6 +164,11 @@ LOSS_EXPLAIN_WAIT_S = _define(
 EVENTS_DELAY_S = _define(
     "events_delay_s", 0.05, "timeline events with no reply to go with leave a worker at most this late"
 )
+SESSION_END_EVENTS_WAIT_S = _define(
+    "session_end_events_wait_s",
+    10.0,
+    "how long a session's end waits for the timeline events of programs it dispatched that are still running",
+)
 EARLY_PUSH_WAIT_S = _define(
     "early_push_wait_s",
     10.0,

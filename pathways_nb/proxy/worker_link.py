@@ -335,7 +335,9 @@ class WorkerLink:
         except Exception:  # a reply that cannot be handed on must not leave its waiters hanging
             _LOGGER.exception("reading the stream of %s failed", self.describe())
             detail = "its replies could not be read (see the proxy's log)"
-        if not self._closed:
+        if self._closed:
+            await self._channel.close()
+        else:
             self.declare_lost(await self._cause_of_loss(detail))
 
     def _deliver(self, reply: pb.Reply) -> None:
@@ -398,16 +400,27 @@ class WorkerLink:
         OUTBOX.remove(self._file_prefix)  # uploads the worker will never take
 
     def close(self) -> None:
-        """Ends the stream (the worker drops the session's arrays); pending requests fail."""
+        """Ends the stream (the worker drops the session's arrays); pending requests fail.
+
+        The worker still sends the session's last timeline events and output (up to
+        ``tuning.SESSION_END_EVENTS_WAIT_S`` later), which the reader takes before the stream ends.
+        """
         with self._lock:
             self._closed = True
             waiters, self._waiters = self._waiters, {}
         for future, _data in waiters.values():
             future.fail(Unavailable(f"the session's link to {self.describe()} was closed"))
-        self._on_loop(self._shut)
+        self._on_loop(self._end_sending)
         OUTBOX.remove(self._file_prefix)
 
+    def _end_sending(self) -> None:
+        """The writer ends the stream's sending side; the rest of it is cut if the worker does not end it in time."""
+        self._wake()
+        self._loop.call_later(tuning.SESSION_END_EVENTS_WAIT_S.value + 1.0, self._shut)
+
     def _shut(self) -> None:
+        if self._tasks[1].done():
+            return  # the worker ended the stream (the reader closed the channel)
         for task in self._tasks:
             task.cancel()
         self._call.cancel()

@@ -168,7 +168,8 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
                         session.handle(command)
                     batch = await request_iterator.__anext__()
             except StopAsyncIteration:
-                pass
+                # The proxy is done with the session: its last timeline events go before the stream ends.
+                await session.reported(tuning.SESSION_END_EVENTS_WAIT_S.value)
             except grpc.aio.AioRpcError as error:
                 _LOGGER.info("session %s: the proxy's stream ended (%s)", key, error.code().name)
             except asyncio.CancelledError:

@@ -13,7 +13,9 @@ Only commands that ask for something (compile, fetch, wait, queries) reply.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
@@ -23,7 +25,7 @@ import numpy as np
 from pathways_nb.core import nonxla, shared_memory, tuning
 from pathways_nb.core.colocated_output import WORKER
 from pathways_nb.core.convert import error_of, sharding_from_proto, status_of
-from pathways_nb.core.dataflow import ArrayRecord, Pending, run_after
+from pathways_nb.core.dataflow import ArrayRecord, Pending, run_after, wait_on_loop
 from pathways_nb.core.events import EventSink, event
 from pathways_nb.core.loop import call_on
 from pathways_nb.core.memory import release_free_memory
@@ -59,6 +61,42 @@ def host_array(data, meta: pb.ArrayMeta) -> np.ndarray:
     if len(data) != expected:
         raise InvalidRequest(f"{len(data)} bytes arrived for a {dtype}{list(shape)} array, which needs {expected}")
     return np.frombuffer(data, dtype).reshape(shape)
+
+
+class _Unreported:
+    """Executions of a session dispatched whose timeline event is yet to come.
+
+    The session's end waits for them (``drained``): the last steps of a client that leaves at
+    once, say a script that ends as its results arrive, are on the timeline too.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = 0
+        self._drained: Pending | None = None
+
+    def add(self) -> None:
+        with self._lock:
+            self._count += 1
+
+    def done(self) -> None:
+        with self._lock:
+            self._count -= 1
+            drained = self._drained if self._count == 0 else None
+            if drained is not None:
+                self._drained = None
+        if drained is not None:
+            drained.resolve(None)
+
+    def drained(self) -> Pending:
+        """Resolved once none is left (at once if none is)."""
+        with self._lock:
+            if self._count:
+                self._drained = self._drained or Pending()
+                return self._drained
+        drained = Pending()
+        drained.resolve(None)
+        return drained
 
 
 class WorkerSession:
@@ -105,6 +143,7 @@ class WorkerSession:
         self._file_prefix = "".join(c if c.isalnum() or c in "-_." else "_" for c in key) + "-"
         self.arrays: dict[int, ArrayRecord] = {}
         self._uploads: dict[int, bytearray] = {}
+        self._unreported = _Unreported()
         self.closed = False
 
     # -- records ---------------------------------------------------------------------------
@@ -284,7 +323,7 @@ class WorkerSession:
         def finished(start: float, end: float, failed: bool) -> None:
             # The share follows the program anyway: it reports the execution, no timer thread does.
             program = compiled.value
-            self._events(event("execute", program.name, program.device_ids, start, end, failed=failed))
+            self._report(event("execute", program.name, program.device_ids, start, end, failed=failed))
 
         def submit() -> None:
             self._share.submit(tenant, weight, dispatch, compiled.value.device_ids, finished)
@@ -360,17 +399,31 @@ class WorkerSession:
         if started - arrived > 0.001:
             # Time it waited for its turn (the island's order, or busy devices shared by weight).
             self._events(event("wait", f"{program.name} waits its turn", program.device_ids, arrived, started))
+        self._unreported.add()
         try:
-            values = self.runtime.execute(program, [a.value for a in args], keep, timed=self._events if timed else None)
+            values = self.runtime.execute(program, [a.value for a in args], keep, timed=self._report if timed else None)
         except Exception as error:  # noqa: BLE001 - the results hold it
+            self._unreported.done()  # no event comes
             failure = as_request_error(error)
             self._note(logging.ERROR, f"running {program.name} failed: {failure.message}")
             for record in results:
                 record.fail(failure)
             return []
+        if not timed and not values:
+            self._unreported.done()  # the share reports programs with results only
         for record, value in zip(results, values, strict=True):
             record.set(value)
         return values
+
+    def _report(self, recorded: pb.Event) -> None:
+        """The execute event of a program ``_dispatch`` ran."""
+        self._events(recorded)
+        self._unreported.done()
+
+    async def reported(self, timeout_s: float) -> None:
+        """Waits, on the loop, until programs dispatched so far have reported their events (``timeout_s`` at most)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(wait_on_loop(self._unreported.drained()), timeout_s)
 
     def _give_up_turn(self, key: str) -> None:
         if key in self._gang_waiting:
