@@ -941,8 +941,8 @@ def test_a_layout_for_a_shape_too_large_to_count_is_invalid(wire):
     assert code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "64-bit" in message
 
 
-def test_compile_options_that_abort_xla_are_refused(wire, captured):
-    """Auto-sharding made XLA abort ("auto-partitioner callback wasn't registered"); it is refused."""
+def _compile_with(wire, captured, change):
+    """A captured client's compile request, its compile options changed by ``change``, sent: the reply."""
     proxy, ifrt = wire.messages.proxy, wire.messages.ifrt
     compile_request = next(
         request.compile_request
@@ -951,10 +951,35 @@ def test_compile_options_that_abort_xla_are_refused(wire, captured):
         and (request := proxy.IfrtRequest.FromString(data)).WhichOneof("request") == "compile_request"
     )
     options = ifrt.XlaCompileOptionsProto.FromString(compile_request.compile_options.data)
-    options.compile_options.executable_build_options.use_auto_spmd_partitioning = True
+    change(options.compile_options.executable_build_options)
     compile_request.compile_options.data = options.SerializeToString()
-    code, message = _status(wire.call("compile_request", compile_request))
+    return wire.call("compile_request", compile_request)
+
+
+def test_compile_options_that_abort_xla_are_refused(wire, captured):
+    """Auto-sharding made XLA abort ("auto-partitioner callback wasn't registered"); it is refused."""
+    code, message = _status(
+        _compile_with(wire, captured, lambda build: setattr(build, "use_auto_spmd_partitioning", True))
+    )
     assert code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "use_auto_spmd_partitioning" in message
+
+    def both_pass_filters(build):
+        build.debug_options.xla_disable_hlo_passes.append("algsimp")
+        build.debug_options.xla_enable_hlo_passes_only.append("dce")
+
+    code, message = _status(_compile_with(wire, captured, both_pass_filters))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "xla_enable_hlo_passes_only" in message
+
+
+def test_xla_s_crash_on_purpose_options_are_dropped_and_the_program_compiles(wire, captured):
+    """Under xla_unsupported_crash_on_hlo_pass_noop_change the CPU compiler's layout assignment aborted the
+    worker (the fuzzer flipped a byte into it); the server drops such options and compiles."""
+
+    def crash_on_noop_change(build):
+        build.debug_options.xla_unsupported_crash_on_hlo_pass_noop_change = True
+
+    reply = _compile_with(wire, captured, crash_on_noop_change)
+    assert reply.WhichOneof("response") == "compile_response", reply
 
 
 def test_init_sent_again_answers_the_same_devices_without_a_second_allocation(cluster):

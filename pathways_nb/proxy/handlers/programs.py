@@ -99,10 +99,26 @@ def _drop_server_file_options(options) -> None:
         del options.env_option_overrides[name]
 
 
+def _drop_crash_options(debug) -> None:
+    """Removes XLA's debugging options that end the process on purpose (``xla_unsupported_crash_on_*``).
+
+    They make a compile abort the server that runs it (a pass that misreports a change is a fatal
+    error under them) instead of failing one request; like the file options, they are dropped.
+    """
+    for descriptor, _value in debug.ListFields():
+        if "crash" in descriptor.name:
+            debug.ClearField(descriptor.name)
+
+
 def _check_options(options) -> None:
     """Refuses compile options this server does not serve, before XLA sees them."""
     _drop_server_file_options(options)
     build = options.executable_build_options
+    _drop_crash_options(build.debug_options)
+    if build.debug_options.xla_disable_hlo_passes and build.debug_options.xla_enable_hlo_passes_only:
+        raise InvalidRequest(  # XLA checks this with an abort
+            "the compile options set both xla_disable_hlo_passes and xla_enable_hlo_passes_only; set one of them"
+        )
     for message, allowed in ((options, _COMPILE_OPTIONS), (build, _BUILD_OPTIONS)):
         for descriptor, _value in message.ListFields():
             if descriptor.name not in allowed:
