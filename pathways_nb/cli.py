@@ -263,6 +263,7 @@ def _serve(server, message: str, started: float, port_file: str | None, stop=Non
     from pathways_nb.launch.processes import StopRequest, announce_port, exit_with_parent
 
     stop = stop or StopRequest()
+    stop.listen()  # (the server's start may have joined a JAX distributed runtime, which takes SIGTERM)
     exit_with_parent(stop.request)
     print(f"{message} (started in {time.monotonic() - started:.1f} s)", flush=True)
     if port_file:

@@ -64,23 +64,34 @@ def announce_port(port_file: str, port: int) -> None:
         f.write(str(port))
 
 
+def _noted_by_the_wakeup_fd(_signum: int, _frame) -> None:
+    """SIGINT's and SIGTERM's handler: the interpreter has written the signal's number to the wakeup fd."""
+
+
 class StopRequest:
     """What ends a server process, SIGINT or SIGTERM or its launcher's death, waited for on its main thread.
 
-    The signal handler only writes a byte to a pipe. Stopping the server inside the handler could
-    hang the process for good: the handler runs on the main thread wherever that thread was, maybe
-    holding a lock the stop needs (logging's), and a second signal runs it again inside the first.
-    Once the stop is under way, more signals are ignored (SIGKILL still ends a stop that hangs).
+    A signal only puts its number on a pipe, through Python's wakeup fd, which the interpreter writes
+    from whichever thread the kernel gave the signal to (a handler alone runs on the main thread only
+    once it runs Python again, never while it sits in this pipe's ``read``). Stopping the server inside
+    a handler could hang the process for good: the handler runs on the main thread wherever that thread
+    was, maybe holding a lock the stop needs (logging's), and a second signal runs it again inside the
+    first. Once the stop is under way, more signals are ignored (SIGKILL still ends a stop that hangs).
+    Made on the main thread.
     """
 
     def __init__(self) -> None:
         self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)
         self.failure: str | None = None  # why the server itself asked to stop (``fail``), if it did
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, self._on_signal)
+        self.listen()
 
-    def _on_signal(self, signum: int, _frame) -> None:
-        os.write(self._write, bytes([signum]))
+    def listen(self) -> None:
+        """Takes SIGINT and SIGTERM (again: JAX's distributed runtime puts its own SIGTERM handler in, its
+        preemption notifier, which only notes the signal, so a host of an island lived on until SIGKILL)."""
+        signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, _noted_by_the_wakeup_fd)
 
     def request(self) -> None:
         """Asks for the stop (from any thread)."""
