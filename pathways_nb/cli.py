@@ -120,7 +120,10 @@ def _serve_worker(args: argparse.Namespace) -> int:
             collectives_host=reachable,
         )
         members = GroupMembers(
-            lambda membership: _member_arguments(args, membership), reachable or "127.0.0.1", args.host
+            lambda membership: _member_arguments(args, membership),
+            reachable or "127.0.0.1",
+            args.host,
+            log_directory=args.log_directory,
         )
     island.check()
     runtime = LocalRuntime(args.platform, args.devices, island=island, colocated_python=args.colocated_python)
@@ -431,6 +434,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="unix:PATH of this host's pathways-nb colocated-host, which starts the executors",
     )
     worker.add_argument("--port_file", default=None, help="write the bound port to this file once serving")
+    worker.add_argument(
+        "--log_directory",
+        default=None,
+        help="where the member processes this worker starts for groups of islands log (NAME.log) and keep their "
+        "files (default: a temporary directory each)",
+    )
     # Set by a worker for the member processes it starts (launch.members): not for people.
     worker.add_argument("--group_member", default=None, help=argparse.SUPPRESS)
     _add_storage_root(worker, "the worker writes profiles and checkpoints that clients ask for")

@@ -254,6 +254,7 @@ class LocalCluster:
                 "--storage_root",
                 self.storage_root,
                 *self._island_flags(island),
+                *(["--log_directory", self.log_directory] if node.local else []),
                 *self._colocated_flags(island, host),
                 *([*self.tls.serving(), *self.tls.calling()] if self.tls else []),
             ],

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import os
 import socket
 import threading
 from collections.abc import Callable, Sequence
@@ -56,14 +57,18 @@ class GroupMembers:
         arguments: Callable[[pb.GroupMembership], Sequence[str]],
         coordinator_host: str,
         bind_host: str,
+        log_directory: str | None = None,
     ):
         """``arguments(membership)``: the ``pathways-nb`` arguments that start a member; ``coordinator_host``: how
         other hosts reach this one; ``bind_host``: where to listen. ``report`` (set by the worker) tells the
-        resource manager what became of a member."""
+        resource manager what became of a member. ``log_directory``: where the members log (``NAME.log``)
+        and keep their port files, for a launcher that removes it (a worker killed with SIGKILL cannot
+        remove its members' files); default: a temporary directory of each member's own."""
         self._arguments = arguments
         self.report: Callable[[pb.GroupMemberEvent], None] = lambda _event: None
         self._coordinator_host = coordinator_host
         self._bind_host = bind_host
+        self._log_directory = log_directory
         self._lock = threading.Lock()
         self._members: dict[str, _Member] = {}
         self._closed = False
@@ -80,7 +85,13 @@ class GroupMembers:
         if membership.member == 0 and not membership.coordinator_address:
             membership.coordinator_address = f"{self._coordinator_host}:{_free_port(self._bind_host)}"
         name = f"group{membership.group}-member{membership.member}"
-        child = ChildServer(name, [*self._arguments(membership), MEMBER_FLAG, encode_membership(membership)])
+        log_path = os.path.join(self._log_directory, f"{name}.log") if self._log_directory else None
+        child = ChildServer(
+            name,
+            [*self._arguments(membership), MEMBER_FLAG, encode_membership(membership)],
+            log_path=log_path,
+            directory=self._log_directory,
+        )
         member = _Member(membership, child)
         with self._lock:
             if self._closed:

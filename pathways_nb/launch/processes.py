@@ -183,11 +183,13 @@ class ChildServer:
         cwd: str | None = None,
         log_path: str | None = None,
         node: Node = THIS_MACHINE,
+        directory: str | None = None,
     ):
         """``host``: where it listens (its ``address``; default the node's address); ``prefix``: runs it
         through a launcher, e.g. ``["ip", "netns", "exec", NAME]`` (one that execs, so the child's pid is
         the server's); ``cwd``: its working directory; ``log_path``: the file its output goes to, which
-        outlives it (default: a file of its own, removed by ``close()``); ``node``: the machine it runs on."""
+        outlives it (default: a file of its own, removed by ``close()``); ``node``: the machine it runs on;
+        ``directory``: where its own directory (its port file) is made (default: the temporary directory)."""
         self.name = name
         self.arguments = list(arguments)
         self.env = env
@@ -198,7 +200,7 @@ class ChildServer:
         self.status = Status.created
         self.port: int | None = None
         self.process: subprocess.Popen | None = None
-        self._directory = tempfile.TemporaryDirectory(prefix=f"pathways-{name}-")
+        self._directory = tempfile.TemporaryDirectory(prefix=f"pathways-{name}-", dir=directory)
         self.log_path = log_path or os.path.join(self._directory.name, "log")
 
     @property
