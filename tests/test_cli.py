@@ -309,3 +309,14 @@ def test_logs_says_which_cluster_to_choose(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         cli.main(["logs", "worker-9-9", "--server_port", "41001"])
     assert "has no process worker-9-9; its processes: proxy" in capsys.readouterr().err
+
+
+def test_a_worker_given_a_log_directory_that_is_not_one_says_so_and_exits(tmp_path):
+    """Found at start, in one line, not when the first group's member fails to start on the orders' thread."""
+    missing = tmp_path / "no-such-directory"
+    arguments = ["worker", "--resource_manager_address", "127.0.0.1:1", "--log_directory", str(missing)]
+    worker = subprocess.run(
+        [sys.executable, "-m", "pathways_nb.cli", *arguments], capture_output=True, text=True, timeout=120
+    )
+    assert worker.returncode == 2, worker.stderr[-2000:]
+    assert f"pathways-nb worker: --log_directory '{missing}' is not a directory: create it" in worker.stderr

@@ -68,6 +68,11 @@ class GroupMembers:
         self.report: Callable[[pb.GroupMemberEvent], None] = lambda _event: None
         self._coordinator_host = coordinator_host
         self._bind_host = bind_host
+        if log_directory is not None and not os.path.isdir(log_directory):
+            raise ValueError(
+                f"--log_directory {log_directory!r} is not a directory: create it, or leave the flag out for a "
+                "temporary directory per member"
+            )
         self._log_directory = log_directory
         self._lock = threading.Lock()
         self._members: dict[str, _Member] = {}
