@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import numpy as np
 import psutil
 import pytest
 
@@ -980,6 +981,20 @@ def test_xla_s_crash_on_purpose_options_are_dropped_and_the_program_compiles(wir
 
     reply = _compile_with(wire, captured, crash_on_noop_change)
     assert reply.WhichOneof("response") == "compile_response", reply
+
+
+def test_a_program_whose_names_are_not_utf8_is_invalid_not_a_server_error(wire):
+    """A byte flipped into a name of the program: XLA compiled it, and reading the compiled module back
+    (for its donated parameters) failed as INTERNAL ("String field had bad UTF-8")."""
+
+    def marker_fn_zz(x):
+        return x * 2
+
+    artifact, options = testing.lowered_program(marker_fn_zz, np.zeros(3, np.float32), [0])
+    assert b"marker_fn_zz" in artifact
+    code, message = _status(wire.compile((artifact.replace(b"marker_fn_zz", b"marker_fn\xff\xfe\xfd"), options)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "UTF-8" in message, message
+    assert wire.compile((artifact, options)).WhichOneof("response") == "compile_response"
 
 
 def test_init_sent_again_answers_the_same_devices_without_a_second_allocation(cluster):

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from pathways_nb.compat import result_handlers
 from pathways_nb.core.convert import output_shardings as output_shardings_of
@@ -413,7 +414,15 @@ def _donated_parameters(executable) -> frozenset[int]:
 
     A buffer donor left in the compiled module found no output to alias, and its argument stays alive.
     """
-    module = schema.load().xla.HloModuleProto.FromString(executable.hlo_modules()[0].as_serialized_hlo_module_proto())
+    try:
+        module = schema.load().xla.HloModuleProto.FromString(
+            executable.hlo_modules()[0].as_serialized_hlo_module_proto()
+        )
+    except DecodeError as e:  # XLA keeps names that are not UTF-8; protobuf's Python reader refuses them
+        raise InvalidRequest(
+            f"the compiled program cannot be read back ({e}): a name or string attribute in it is not valid "
+            "UTF-8; send the program as jax lowers it"
+        ) from e
     return frozenset(entry.parameter_number for entry in module.input_output_alias.entries)
 
 
