@@ -64,8 +64,13 @@ class SessionsRun:
     @property
     def fairness(self) -> float:
         """The slowest session's iterations over the median session's."""
+        return self.share(0.0)
+
+    def share(self, quantile: float) -> float:
+        """The iterations of the session at ``quantile`` (0: the slowest) over the median session's."""
         median = statistics.median(self.iterations) if self.iterations else 0
-        return min(self.iterations) / median if median else 0.0
+        ordered = sorted(self.iterations)
+        return ordered[int(quantile * (len(ordered) - 1))] / median if median else 0.0
 
     def round_trip_ms(self, quantile: float) -> float:
         ordered = sorted(self.round_trips_s)
