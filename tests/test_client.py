@@ -78,3 +78,13 @@ def test_addresses_are_normalized(given, expected):
 def test_bad_addresses_are_refused_with_the_reason(bad):
     with pytest.raises(ValueError, match=r"address|scheme|port"):
         normalize_address(bad)
+
+
+def test_the_stock_client_s_batch_flusher_runs_only_on_idle_cores(proxy_server):
+    """jaxlib's IFRT proxy client wakes a thread every 50 µs to send batched deletions (13% of a core);
+    ``connect`` puts that thread, and only it, under SCHED_IDLE (``pathways_nb.client.batch_flusher``)."""
+    status, out, err = _run("client_threads_at_rest.py", proxy_server.address)
+    assert status == 0, err[-3000:]
+    busy = [line.split()[1:] for line in out.splitlines() if line.startswith("busy")]
+    assert len(busy) == 1 and busy[0][1] == "idle" and int(busy[0][0]) > 2000, out
+    assert "result 8.0" in out, out

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import sys
 
+from pathways_nb.client import batch_flusher
 from pathways_nb.core import tuning
 
 PLATFORM = "proxy"
@@ -98,7 +99,10 @@ def make_client():
     options.initialization_data = initialization_data
     # No on_disconnect callback: the client calls it from its destructor, which at interpreter
     # exit runs after Python can no longer be entered, and the process aborts.
-    return ifrt_proxy.get_client(target, options)
+    threads_before = batch_flusher.thread_ids()
+    client = ifrt_proxy.get_client(target, options)
+    batch_flusher.demote_busy_new_threads(threads_before)
+    return client
 
 
 def _refuse_a_server_of_this_process(target: str) -> None:

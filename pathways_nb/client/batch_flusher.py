@@ -1,0 +1,75 @@
+"""The stock client's batch flusher runs only on cores that nothing else wants.
+
+jaxlib's IFRT proxy client sends batched array deletions from a thread of its
+own (``RpcHelper::Batcher::PeriodicFlusher``) that sleeps 50 µs between looks:
+about 9,000 wake-ups a second and 13% of a core for as long as the client
+lives, busy or not. Where the client shares its machine with the devices (an
+embedded cluster of CPU devices, a notebook on a GPU host) that is compute
+taken from every step: a chain of 12 ms steps ran at 0.90 of local JAX, and
+local JAX itself, in the connected process, lost as much.
+
+That thread is given Linux's ``SCHED_IDLE`` policy, under which it runs only
+when a core is otherwise idle. Nothing waits on it: every other request the
+client sends flushes the batch first, so a deletion waits at most until the
+next request or the next idle moment. It is found by what it does (a thread
+the connection started that wakes thousands of times a second), not by name:
+the client's threads have none.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+_LOGGER = logging.getLogger(__name__)
+
+_TASKS = "/proc/self/task"
+# The flusher wakes ~9,000 times a second; the client's other threads, idle, a few times at most.
+BUSY_WAKEUPS_PER_S = 2000
+WATCH_S = 0.05
+
+
+def thread_ids() -> set[int]:
+    """This process's threads (Linux); empty where ``/proc`` does not list them."""
+    try:
+        return {int(name) for name in os.listdir(_TASKS)}
+    except OSError:
+        return set()
+
+
+def demote_busy_new_threads(before: set[int]) -> list[int]:
+    """Gives ``SCHED_IDLE`` to the threads not in ``before`` that wake more than ``BUSY_WAKEUPS_PER_S``.
+
+    Returns the ids of those it demoted; none where the platform has no ``SCHED_IDLE`` (not Linux).
+    """
+    if not hasattr(os, "SCHED_IDLE"):
+        return []
+    new = thread_ids() - before
+    first = {tid: _wakeups(tid) for tid in new}
+    time.sleep(WATCH_S)
+    busy = [
+        tid
+        for tid, count in first.items()
+        if count is not None and (_wakeups(tid) or 0) - count > BUSY_WAKEUPS_PER_S * WATCH_S
+    ]
+    demoted = []
+    for tid in busy:
+        try:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            demoted.append(tid)
+        except OSError as e:  # the thread ended, or a sandbox forbids it: the client works as before
+            _LOGGER.debug("thread %d keeps its scheduling policy: %s", tid, e)
+    return demoted
+
+
+def _wakeups(tid: int) -> int | None:
+    """How often thread ``tid`` has gone to sleep of its own accord (its voluntary context switches)."""
+    try:
+        with open(f"{_TASKS}/{tid}/status") as status:
+            for line in status:
+                if line.startswith("voluntary_ctxt_switches:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
