@@ -49,3 +49,16 @@ def two_hosts():
 def test_an_island_of_two_hosts_serves_requests_while_a_long_program_runs_across_them(two_hosts):
     report = run_beside_a_long_program(two_hosts.address, two_hosts.token, 2)
     assert report["hosts"] == [0, 1], report
+
+
+def test_chained_steps_across_two_hosts_dispatched_back_to_back_never_wait_on_each_other(two_hosts):
+    """Host 0 numbers the island's steps as their parts arrive; a step whose part was queued behind the
+    island's in-flight limit could be numbered after one that the session sent later (the share's
+    follower thread and the loop's thread each dispatched one), and the earlier step then waited for
+    its own argument from the later one: this chain hung within 10-55 rounds of 16 steps, every time."""
+    process = python_script(
+        Path(__file__).with_name("clients") / "chains_across_two_hosts.py", two_hosts.address, two_hosts.token, "150"
+    )
+    out, err = finish(process, 240)
+    assert process.returncode == 0, err[-3000:]
+    assert json.loads(out.strip().splitlines()[-1]) == {"rounds": 150, "equal": True}

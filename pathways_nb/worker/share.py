@@ -49,6 +49,7 @@ class _Tenant:
     virtual_s: float = 0.0
     pending: collections.deque = None  # of _Program
     in_flight: int = 0
+    starting: int = 0  # taken from ``pending`` into the share's ``_starting``, not dispatched yet
     busy_s: float = 0.0  # device time used so far
 
     def __post_init__(self) -> None:
@@ -74,6 +75,9 @@ class FairShare:
         self._in_flight = 0
         self._last_end = 0.0
         self._device_end: dict[int, float] = {}
+        # Programs whose turn has come, in the order they were taken from the tenants' queues; only
+        # the follower's thread dispatches them (``_start_waiting``), one after the other.
+        self._starting: collections.deque[tuple[str, _Program]] = collections.deque()
         self._follower = Follower("share")
 
     def submit(
@@ -120,6 +124,8 @@ class FairShare:
         return entry
 
     def _saturated(self, entry: _Tenant) -> bool:
+        if entry.starting:  # dispatched now, it would overtake its own older programs
+            return True
         others = any((e.pending or e.in_flight) for e in self._tenants.values() if e is not entry)
         if not others:  # alone: keep its own order, and wait for capacity only beyond ``alone_depth``
             return bool(entry.pending) or (self.alone_depth is not None and self._in_flight >= self.alone_depth)
@@ -129,17 +135,22 @@ class FairShare:
         entry.in_flight += 1
         self._in_flight += 1
 
-    def _next(self) -> tuple[str, _Program] | None:
-        """The oldest program of the tenant with the least weighted device time, if any may start."""
-        waiting = [(e.virtual_s, name) for name, e in self._tenants.items() if e.pending]
-        several = sum(1 for e in self._tenants.values() if e.pending or e.in_flight) > 1
-        limit = self.depth if several or self.alone_depth is None else self.alone_depth
-        if not waiting or self._in_flight >= limit:
-            return None
-        _, name = min(waiting)
-        entry = self._tenants[name]
-        self._start(entry)
-        return name, entry.pending.popleft()
+    def _take_startable(self) -> bool:
+        """Moves to ``_starting`` the programs that may start now, each the oldest of the tenant with the
+        least weighted device time; whether there were any."""
+        taken = False
+        while True:
+            waiting = [(e.virtual_s, name) for name, e in self._tenants.items() if e.pending]
+            several = sum(1 for e in self._tenants.values() if e.pending or e.in_flight) > 1
+            limit = self.depth if several or self.alone_depth is None else self.alone_depth
+            if not waiting or self._in_flight >= limit:
+                return taken
+            _, name = min(waiting)
+            entry = self._tenants[name]
+            self._start(entry)
+            entry.starting += 1
+            self._starting.append((name, entry.pending.popleft()))
+            taken = True
 
     # -- running and finishing -------------------------------------------------------------
 
@@ -153,20 +164,30 @@ class FairShare:
             _LOGGER.warning("a program of %s failed to dispatch", tenant, exc_info=True)
 
         def ended(failed: bool) -> None:
-            ready = self._finish(tenant, program, outputs, started, failed)
-            if ready:
-                self._follower.call(lambda: self._start_all(ready))
+            if self._finish(tenant, program, outputs, started, failed):
+                self._follower.call(self._start_waiting)
 
         self._follower.follow(outputs, ended)
 
-    def _start_all(self, ready: list[tuple[str, _Program]]) -> None:
-        for name, next_program in ready:
-            self._run(name, next_program)
+    def _start_waiting(self) -> None:
+        """Dispatches the programs in ``_starting``, in order (on the follower's thread only).
 
-    def _finish(
-        self, tenant: str, program: _Program, outputs: list, dispatched: float, failed: bool
-    ) -> list[tuple[str, _Program]]:
-        """Charges the tenant of a program whose results are ready and reports it; returns what may start now."""
+        A tenant's program submitted meanwhile queues behind its older ones (``_saturated``): run at
+        once on the submitting thread it would overtake them, and an island's order would give it
+        the earlier step, which would then wait for its own arguments from the later one, for ever.
+        """
+        while True:
+            with self._lock:
+                if not self._starting:
+                    return
+                name, program = self._starting.popleft()
+            self._run(name, program)
+            with self._lock:
+                self._tenants[name].starting -= 1
+                self._take_startable()  # what queued behind it while it waited, if there is room
+
+    def _finish(self, tenant: str, program: _Program, outputs: list, dispatched: float, failed: bool) -> bool:
+        """Charges the tenant of a program whose results are ready and reports it; whether others may start now."""
         end = time.time()
         with self._lock:
             busy = max(0.0, end - max(dispatched, self._last_end))
@@ -179,9 +200,7 @@ class FairShare:
             entry.virtual_s += busy / entry.weight
             entry.in_flight -= 1
             self._in_flight -= 1
-            ready = []
-            while (chosen := self._next()) is not None:
-                ready.append(chosen)
+            ready = self._take_startable()
         if program.finished is not None and outputs:
             try:
                 program.finished(min(start, end), end, failed)
