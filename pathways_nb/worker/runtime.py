@@ -113,6 +113,8 @@ class LocalRuntime:
         self._local_ids = frozenset(d.id for d in local)
         self._colocated_ids = frozenset(d.id for d in self.colocated_devices)
         self.timer = ExecutionTimer()
+        # XLA's messages, read from jaxlib once (0.3-0.5 s): now, not on the loop at the first sharding.
+        schema.load()
         # Programs are read in a child process first: a corrupted one must not abort this server.
         self.program_checker = ProgramChecker()
 
