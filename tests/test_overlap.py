@@ -55,7 +55,7 @@ def test_chained_steps_across_two_hosts_dispatched_back_to_back_never_wait_on_ea
     """Host 0 numbers the island's steps as their parts arrive; a step whose part was queued behind the
     island's in-flight limit could be numbered after one that the session sent later (the share's
     follower thread and the loop's thread each dispatched one), and the earlier step then waited for
-    its own argument from the later one: this chain hung within 10-55 rounds of 16 steps, every time."""
+    its own argument from the later one: this chain hung within 10-18 rounds of 16 steps, every time."""
     process = python_script(
         Path(__file__).with_name("clients") / "chains_across_two_hosts.py", two_hosts.address, two_hosts.token, "150"
     )
