@@ -46,6 +46,8 @@ def demote_busy_new_threads(before: set[int]) -> list[int]:
     if not hasattr(os, "SCHED_IDLE"):
         return []
     new = thread_ids() - before
+    if not new:  # none started, or no /proc to tell
+        return []
     first = {tid: _wakeups(tid) for tid in new}
     time.sleep(WATCH_S)
     busy = [
