@@ -16,7 +16,7 @@
 #      (no plugin), to exercise the script itself on a machine without an accelerator.
 #   2. makes a venv (.venv-accel in the checkout, git-ignored, reused while pyproject.toml and the
 #      platform are the same; --venv DIR elsewhere) with Python 3.11 or newer, and installs the checkout
-#      (pip install -e), pytest and the plugin that matches the installed jaxlib exactly: cuda:
+#      (pip install -e), pytest, flax and optax (parity.py's Flax step) and the plugin that matches the installed jaxlib exactly: cuda:
 #      jax-cuda12-plugin[with-cuda] and jax-cuda12-pjrt of jaxlib's version (CUDA_MAJOR=13: the cuda13
 #      ones); tpu: pyproject's `tpu` extra (libtpu), with jax's own `tpu` extra of the installed jax
 #      choosing libtpu's version. The first run on a GPU host downloads a few GB of CUDA wheels.
@@ -231,7 +231,9 @@ install_packages() {
     set -euo pipefail
     local platform=$1 venv=$2 python=$3 root=$4 cuda=$5
     local py=$venv/bin/python stamp=$venv/.accelerator-check want
-    want="$platform${cuda:+ cuda$cuda} $(sha256sum "$root/pyproject.toml" | cut -d' ' -f1)"
+    # Beside the checkout (a venv made without them is made again): parity.py trains a Flax model with Optax.
+    local packages=(pytest flax optax)
+    want="$platform${cuda:+ cuda$cuda} ${packages[*]} $(sha256sum "$root/pyproject.toml" | cut -d' ' -f1)"
     if [[ -x $py && -f $stamp && $(cat "$stamp") == "$want" ]]; then
         echo "reusing $venv (installed for $want)"
         return 0
@@ -240,7 +242,7 @@ install_packages() {
     rm -f "$stamp"
     local pip=("$py" -m pip install --progress-bar off --disable-pip-version-check)
     "${pip[@]}" --upgrade pip
-    "${pip[@]}" -e "$root" pytest
+    "${pip[@]}" -e "$root" "${packages[@]}"
     local jax jaxlib
     jax=$("$py" -c 'from importlib.metadata import version; print(version("jax"))')
     jaxlib=$("$py" -c 'from importlib.metadata import version; print(version("jaxlib"))')
@@ -593,19 +595,26 @@ has_platform() {
     [[ $help == *--platform* ]]
 }
 
+# Adds --platform to the array named $2 when the benchmark $1 has that option; PLATFORM_NOTE says which.
+add_platform() {
+    local -n benchmark_args=$2
+    PLATFORM_NOTE=""
+    if has_platform "$1"; then
+        benchmark_args+=(--platform "$PLATFORM")
+        PLATFORM_NOTE=", --platform $PLATFORM"
+    elif [[ $PLATFORM != cpu ]]; then
+        PLATFORM_NOTE="; CPU servers vs CPU local JAX: $1 has no --platform"
+    fi
+}
+
 if ((VENV_OK)); then
     if [[ $PLATFORM == cpu ]]; then
         parity_args=(--targets_ms "2.3,10" --seconds 0.5 --rounds 1)
     else
         parity_args=(--targets_ms "0.5,1,2.3,5,10" --seconds 1 --rounds 3)
     fi
-    parity_note="--targets_ms ${parity_args[1]}"
-    if has_platform parity.py; then
-        parity_args+=(--platform "$PLATFORM")
-        parity_note+=", --platform $PLATFORM"
-    elif [[ $PLATFORM != cpu ]]; then
-        parity_note+="; CPU servers vs CPU local JAX: parity.py has no --platform"
-    fi
+    add_platform parity.py parity_args
+    parity_note="--targets_ms ${parity_args[1]}$PLATFORM_NOTE"
     run_step "parity.py" "$(limit_for 240 60)" "$OUT/parity.log" \
         "$PY" "$ROOT/benchmarks/parity.py" "${parity_args[@]}"
     at_parity=$(grep -E 'at or above' "$OUT/parity.log" 2>/dev/null | sed -e 's/ (the paper.*//' -e 's/ at or above / >= /' \
@@ -613,13 +622,8 @@ if ((VENV_OK)); then
     record "parity.py" "$RESULT" "$SECONDS_TAKEN" "$parity_note${at_parity:+; $at_parity}"
 
     pvl_args=(--quick)
-    pvl_note="--quick"
-    if has_platform proxy_vs_local.py; then
-        pvl_args+=(--platform "$PLATFORM")
-        pvl_note+=", --platform $PLATFORM"
-    elif [[ $PLATFORM != cpu ]]; then
-        pvl_note+="; CPU proxy vs CPU local JAX: proxy_vs_local.py has no --platform"
-    fi
+    add_platform proxy_vs_local.py pvl_args
+    pvl_note="--quick$PLATFORM_NOTE"
     run_step "proxy_vs_local.py" "$(limit_for 150)" "$OUT/proxy_vs_local.log" \
         "$PY" "$ROOT/benchmarks/proxy_vs_local.py" "${pvl_args[@]}"
     record "proxy_vs_local.py" "$RESULT" "$SECONDS_TAKEN" "$pvl_note"
