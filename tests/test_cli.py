@@ -53,6 +53,10 @@ def _flag_actions(parser: argparse.ArgumentParser):
                 yield flag, action
 
 
+# Valid values of the flags whose values have a form (their metavar says which).
+VALUES_BY_METAVAR = {"TENANT=N": "alice=3"}
+
+
 def _value(action: argparse.Action) -> list[str]:
     """Words that give ``action`` a valid value (none for a switch)."""
     if action.nargs == 0:
@@ -63,7 +67,7 @@ def _value(action: argparse.Action) -> list[str]:
         return ["3"]
     if action.type is float:
         return ["2.5"]
-    return ["x"]
+    return [VALUES_BY_METAVAR.get(action.metavar, "x")]
 
 
 def _required(parser: argparse.ArgumentParser) -> list[str]:

@@ -213,8 +213,9 @@ def test_512_hosts_register_and_a_heartbeat_or_sweep_touches_only_its_own_worker
 # -- allocator -----------------------------------------------------------------------------
 
 
-def _submit(allocator: Allocator, registry: Registry, tenant: str, exclusive=False, n=0, islands=()):
-    ticket = allocator.submit(tenant, exclusive, n, tuple(islands))
+def _submit(allocator: Allocator, registry: Registry, tenant: str, exclusive=False, n=0, islands=(), **more):
+    """Submits and checks a request; ``more``: the rest of ``Allocator.submit`` (priority, want)."""
+    ticket = allocator.submit(tenant, exclusive, n, tuple(islands), **more)
     allocator.check(ticket, registry)
     return ticket
 

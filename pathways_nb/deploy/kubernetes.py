@@ -23,7 +23,8 @@ import base64
 import os
 import pathlib
 import re
-from dataclasses import dataclass
+import shlex
+from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
@@ -31,6 +32,7 @@ import yaml
 from pathways_nb.core.security import generate_token
 from pathways_nb.deploy.accelerators import Accelerator, check_shape
 from pathways_nb.deploy.image import DOCKERFILE, DOCKERIGNORE
+from pathways_nb.rm.policy import SessionPolicy
 
 JOBSET_API_VERSION = "jobset.x-k8s.io/v1alpha2"
 # The pod annotation JobSet sets to the index of the pod's Job within its replicated job.
@@ -82,6 +84,8 @@ class Deployment:
     namespace: str | None = None
     # Tenants' jax.experimental.colocated_python beside the devices (docs/colocated_python.md).
     colocated_python: bool = False
+    # The resource manager's policy on sessions: priorities, idle ones (docs/cluster.md).
+    policy: SessionPolicy = field(default_factory=SessionPolicy)
 
     def __post_init__(self) -> None:
         check_shape(self.islands, self.hosts_per_island, self.devices_per_host, self.accelerator, self.colocated_python)
@@ -148,6 +152,7 @@ class Deployment:
             flags.append(f"--namespace {self.namespace}")
         if self.colocated_python:
             flags.append("--colocated_python")
+        flags += map(shlex.quote, self.policy.flags())
         return "pathways-nb deploy k8s " + " ".join(flags)
 
 
@@ -167,6 +172,7 @@ def jobset(deployment: Deployment) -> dict[str, Any]:
             *server_flags,
             f"--instance_count={d.islands}",
             f"--instance_type={d.instance_type}",
+            *d.policy.flags(),
         ],
         port=RESOURCE_MANAGER_PORT,
         requests={"cpu": "500m", "memory": "1Gi"},

@@ -35,6 +35,7 @@ from pathways_nb.core.security import ClusterCredentials, TlsFiles, generate_tok
 from pathways_nb.launch import cluster_logs, live
 from pathways_nb.launch.processes import THIS_MACHINE, ChildServer, Node, Status
 from pathways_nb.launch.supervisor import ChildExit, Supervisor
+from pathways_nb.rm.policy import SessionPolicy
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
 
@@ -85,6 +86,10 @@ class LocalCluster:
         colocated_python_executable: str | None = None,
         storage_root: str | os.PathLike[str] | None = None,
         worker_timeout_s: float = tuning.ONE_MACHINE_WORKER_TIMEOUT_S.value,
+        suspend_idle_after_s: float = 0.0,
+        suspend_idle_always: bool = False,
+        priority_ceilings: dict[str, int] | None = None,
+        suspend_memory_budget: int | None = None,
         log_level: str | None = None,
         keep_logs: bool | None = None,
         nodes: Sequence[Node] | None = None,
@@ -96,9 +101,13 @@ class LocalCluster:
         (``pathways_nb.core.storage``); default ``storage/`` in the cluster's own directory, which is
         kept after ``close()`` if anything was written there. ``worker_timeout_s``: within how long a
         worker that stopped answering (``SIGSTOP``) is found dead; a stall of less than five sixths of it
-        is never a death. ``log_level``: its processes' (their ``--log_level``; default WARNING).
-        ``keep_logs``: whether ``close()`` leaves their logs (``logs/`` in the cluster's directory);
-        default: only those of a failed run (see ``failures``). ``directory``: the cluster's own directory
+        is never a death. ``suspend_idle_after_s``, ``suspend_idle_always``, ``priority_ceilings``: the
+        resource manager's policy on sessions (its ``--suspend_idle_after``, ``--suspend_idle_always`` and
+        ``--priority_ceiling``; docs/cluster.md). ``suspend_memory_budget``: the bytes of suspended sessions'
+        arrays each worker keeps in memory (the rest go to files under the storage root; None: no limit).
+        ``log_level``: its processes' (their ``--log_level``;
+        default WARNING). ``keep_logs``: whether ``close()`` leaves their logs (``logs/`` in the cluster's
+        directory); default: only those of a failed run (see ``failures``). ``directory``: the cluster's own directory
         (default: a new temporary one, removed at ``close()`` unless its storage or its logs are kept); one
         given is left in place. ``on_end(why)``: called (from a supervising thread) if the cluster's machines
         are gone for good (its Slurm job ended); nothing is restarted then, and ``ended`` says why. ``tls``:
@@ -108,6 +117,9 @@ class LocalCluster:
         self.spec.check()
         Liveness.within(worker_timeout_s)  # one the resource manager would refuse fails here, before any process
         self.worker_timeout_s = worker_timeout_s
+        # (One the resource manager would refuse fails here too.)
+        self.session_policy = SessionPolicy(suspend_idle_after_s, suspend_idle_always, priority_ceilings)
+        self.suspend_memory_budget = suspend_memory_budget
         self.nodes = list(nodes) if nodes else [THIS_MACHINE]
         self._on_end = on_end
         self.ended: str | None = None
@@ -179,6 +191,7 @@ class LocalCluster:
                     f"{spec.platform}:{spec.hosts_per_island}x{spec.devices_per_host}",
                     "--worker_timeout",
                     f"{self.worker_timeout_s:g}",
+                    *self.session_policy.flags(),
                     *(self.tls.serving() if self.tls else []),
                 ],
                 self.nodes[0],
@@ -253,6 +266,11 @@ class LocalCluster:
                 self.spec.platform,
                 "--storage_root",
                 self.storage_root,
+                *(
+                    []
+                    if self.suspend_memory_budget is None
+                    else ["--suspend_memory_budget", str(self.suspend_memory_budget)]
+                ),
                 *self._island_flags(island),
                 *(["--log_directory", self.log_directory] if node.local else []),
                 *self._colocated_flags(island, host),

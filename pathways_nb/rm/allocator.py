@@ -3,17 +3,26 @@
 Tenants share devices by default (time-sharing: each session's programs
 interleave on them). An exclusive request waits until nobody else holds any
 of its devices, and while it waits, later requests for those devices wait
-behind it, so it is never starved. Requests are served first come, first
-served, except that a later request that conflicts with nobody waiting ahead
-of it does not wait for them.
+behind it, so it is never starved. The queue is in priority order, higher
+first, and first come, first served among equal priorities; a request that
+conflicts with nobody waiting ahead of it does not wait for them.
+
+A request blocked by granted ones asks them to suspend (their proxies move
+their sessions off the devices and release them): at once if it has a higher
+priority than theirs (preemption), else once they are idle, if the cluster's
+policy suspends idle sessions. It asks nobody when that could not free its
+devices: when one of them has its priority or a higher one and idle sessions
+are never suspended. Each holder is told of the highest-priority request that
+asks it, and once nobody does any more.
 
 Decisions take time in the size of the request and the queue, not of the
-cluster: who holds which device is counted as grants come and go, and the
+cluster: who holds which device is recorded as grants come and go, and the
 devices to choose from come sorted from the registry's index.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import secrets
 import time
@@ -27,7 +36,11 @@ class Unsatisfiable(ValueError):
     """A request no state of the cluster could grant (more devices than exist, unknown islands)."""
 
 
-@dataclass
+# The tenant of a request that names none.
+ANONYMOUS = "anonymous"
+
+
+@dataclass(eq=False)  # each request is itself: compared and hashed by identity
 class Ticket:
     """One request: waiting (``devices is None``) or granted."""
 
@@ -36,68 +49,104 @@ class Ticket:
     exclusive: bool
     num_devices: int
     islands: tuple[int, ...]
+    priority: int = 0
+    want: tuple[int, ...] = ()  # exactly these devices (a suspended session resuming), sorted
     created: float = field(default_factory=time.monotonic)
     devices: tuple[int, ...] | None = None
-    holding: bool = False  # its devices are counted as held
+    holding: bool = False  # its devices are recorded as held
+    told: pb.Wanted = field(default_factory=pb.Wanted)  # granted: what it was last told of who wants its devices
 
     @property
     def granted(self) -> bool:
         return self.devices is not None
 
+    def describe(self) -> str:
+        return f"tenant {self.tenant} (priority {self.priority}, {'exclusive' if self.exclusive else 'shared'})"
+
 
 class Allocator:
     """Grants and queues allocations; not thread-safe (used from one loop)."""
 
-    def __init__(self) -> None:
+    def __init__(self, suspend_idle_after_s: float = 0.0) -> None:
+        """``suspend_idle_after_s``: whether (> 0) idle holders are asked to suspend for requests of no
+        higher priority than theirs, and after how long idle (said in the reasons of those waiting)."""
+        self.suspend_idle_after_s = suspend_idle_after_s
         self._ids = itertools.count(1)
         # Ids stay unique across restarts, whose reclaimed allocations keep their old ids.
         self._prefix = secrets.token_hex(3)
         self.granted: dict[str, Ticket] = {}
         self.queue: list[Ticket] = []
-        # Device id -> how many grants hold it (all of them; exclusive ones); no zero counts.
-        self._held: dict[int, int] = {}
+        # Device id -> the grants that hold it; how many of them are exclusive. No empty entries.
+        self._holders: dict[int, set[Ticket]] = {}
         self._held_exclusively: dict[int, int] = {}
+        # The grants told that a request wants their devices (``told.by`` set).
+        self._asked: set[Ticket] = set()
 
-    def submit(self, tenant: str, exclusive: bool, num_devices: int, islands: tuple[int, ...]) -> Ticket:
+    def submit(
+        self,
+        tenant: str,
+        exclusive: bool,
+        num_devices: int,
+        islands: tuple[int, ...],
+        priority: int = 0,
+        want: tuple[int, ...] = (),
+    ) -> Ticket:
+        """Queues a request: behind those of its priority or a higher one. With ``want``, for exactly
+        those devices (``num_devices`` and ``islands`` are ignored)."""
+        want = tuple(sorted(set(want)))
         ticket = Ticket(
-            f"alloc-{self._prefix}-{next(self._ids)}", tenant or "anonymous", exclusive, num_devices, islands
+            f"alloc-{self._prefix}-{next(self._ids)}",
+            tenant or ANONYMOUS,
+            exclusive,
+            len(want) if want else num_devices,
+            () if want else islands,
+            priority,
+            want,
         )
-        self.queue.append(ticket)
+        self.queue.insert(bisect.bisect_right(self.queue, -priority, key=lambda t: -t.priority), ticket)
         return ticket
 
-    def reclaim(self, allocation_id: str, tenant: str, exclusive: bool, devices: tuple[int, ...]) -> Ticket:
+    def reclaim(
+        self, allocation_id: str, tenant: str, exclusive: bool, devices: tuple[int, ...], priority: int = 0
+    ) -> Ticket:
         """Records a grant made before a restart of the resource manager (the holder still uses it)."""
-        ticket = Ticket(allocation_id, tenant or "anonymous", exclusive, len(devices), (), devices=devices)
+        ticket = Ticket(allocation_id, tenant or ANONYMOUS, exclusive, len(devices), (), priority, devices=devices)
         self._hold(ticket)
         return ticket
 
     def release(self, ticket: Ticket) -> None:
         if self.granted.get(ticket.allocation_id) is ticket:
             del self.granted[ticket.allocation_id]
+        self._asked.discard(ticket)
         if ticket.holding:
             ticket.holding = False
-            for counts in (self._held, self._held_exclusively) if ticket.exclusive else (self._held,):
-                for device in ticket.devices:
-                    if counts[device] == 1:
-                        del counts[device]
+            for device in ticket.devices:
+                holders = self._holders[device]
+                holders.discard(ticket)
+                if not holders:
+                    del self._holders[device]
+                if ticket.exclusive:
+                    if self._held_exclusively[device] == 1:
+                        del self._held_exclusively[device]
                     else:
-                        counts[device] -= 1
+                        self._held_exclusively[device] -= 1
         if ticket in self.queue:
             self.queue.remove(ticket)
 
     def _hold(self, ticket: Ticket) -> None:
         self.granted[ticket.allocation_id] = ticket
         ticket.holding = True
-        for counts in (self._held, self._held_exclusively) if ticket.exclusive else (self._held,):
-            for device in ticket.devices:
-                counts[device] = counts.get(device, 0) + 1
+        for device in ticket.devices:
+            self._holders.setdefault(device, set()).add(ticket)
+            if ticket.exclusive:
+                self._held_exclusively[device] = self._held_exclusively.get(device, 0) + 1
 
     def grant(self, registry: Registry) -> list[Ticket]:
         """Grants every queued request that fits now; returns them. Raises nothing: see ``check``."""
         newly = []
         blocked: set[int] = set()
         for ticket in list(self.queue):
-            pool = registry.device_ids(ticket.islands)
+            pool = self._pool(ticket, registry)
             wanted = self._candidates(ticket, pool)
             if wanted is not None and blocked.isdisjoint(wanted):
                 ticket.devices = wanted
@@ -108,8 +157,47 @@ class Allocator:
                 blocked.update(self._wanted_devices(ticket, pool))
         return newly
 
+    def contention(self, registry: Registry) -> list[Ticket]:
+        """Updates what each grant is told (``told``) of the queued requests that ask it to suspend; returns
+        the grants whose news changed. Call it after ``grant``: every queued request is then blocked."""
+        asks: dict[Ticket, pb.Wanted] = {}
+        for waiter in self.queue:  # highest priority first: the first to ask a holder is the one it is told of
+            for holder, now in self._asks(waiter, self._blockers(waiter, registry)).items():
+                if holder not in asks:
+                    asks[holder] = pb.Wanted(by=waiter.describe(), preempt=now, priority=waiter.priority)
+        changed = []
+        for holder in self._asked | asks.keys():
+            news = asks.get(holder, pb.Wanted())  # nobody wants its devices any more
+            if news != holder.told:
+                holder.told = news
+                changed.append(holder)
+        self._asked = set(asks)
+        return changed
+
+    def _asks(self, ticket: Ticket, blockers: set[Ticket]) -> dict[Ticket, bool]:
+        """Which of a queued request's ``blockers`` it asks to suspend, each with whether at once (its priority
+        is lower): none if one of them keeps its devices anyway."""
+        now = {holder: ticket.priority > holder.priority for holder in blockers}
+        return now if self.suspend_idle_after_s or all(now.values()) else {}
+
+    def _blockers(self, ticket: Ticket, registry: Registry) -> set[Ticket]:
+        """The grants that hold devices a queued request waits for, in conflict with it (either is exclusive)."""
+        return {
+            holder
+            for device in self._wanted_devices(ticket, self._pool(ticket, registry))
+            for holder in self._holders.get(device, ())
+            if ticket.exclusive or holder.exclusive
+        }
+
     def check(self, ticket: Ticket, registry: Registry) -> None:
         """Raises ``Unsatisfiable`` if the request could never be granted on the registry's devices."""
+        if ticket.want:
+            gone = [device for device in ticket.want if registry.device(device) is None]
+            if gone:
+                raise Unsatisfiable(
+                    f"the devices {gone} asked for again are not in this cluster any more (their worker is gone)"
+                )
+            return
         pool = registry.device_ids(ticket.islands)
         if ticket.islands:
             known = registry.islands()
@@ -122,23 +210,27 @@ class Allocator:
             raise Unsatisfiable("the cluster has no devices yet: no worker has registered")
 
     def waiting(self, ticket: Ticket, registry: Registry) -> pb.Waiting:
-        """Where a queued request stands, and for whom it waits."""
-        wanted = set(self._wanted_devices(ticket, registry.device_ids(ticket.islands)))
-        holders = sorted(
-            {
-                f"{other.tenant} ({'exclusive' if other.exclusive else 'shared'})"
-                for other in self.granted.values()
-                if (ticket.exclusive or other.exclusive) and not wanted.isdisjoint(other.devices)
-            }
-        )
+        """Where a queued request stands, for whom it waits, and whom it asks to suspend."""
+        blockers = self._blockers(ticket, registry)
+        holders = sorted({f"{other.tenant} ({'exclusive' if other.exclusive else 'shared'})" for other in blockers})
         ahead = self.queue.index(ticket) if ticket in self.queue else 0
         kind = "exclusive use of" if ticket.exclusive else "a share of"
-        what = f"{ticket.num_devices or len(wanted)} devices" + (
-            f" on islands {list(ticket.islands)}" if ticket.islands else ""
-        )
+        if ticket.want:
+            what = f"the devices {list(ticket.want)} again"
+        else:
+            what = f"{ticket.num_devices or len(self._pool(ticket, registry))} devices" + (
+                f" on islands {list(ticket.islands)}" if ticket.islands else ""
+            )
         reason = f"waiting for {kind} {what}"
         if holders:
             reason += f", held by {', '.join(holders)}"
+        asks = self._asks(ticket, blockers)
+        preempted = sorted({holder.tenant for holder, now in asks.items() if now})
+        idle = sorted({holder.tenant for holder, now in asks.items() if not now})
+        if preempted:
+            reason += f"; asking {', '.join(preempted)} to suspend (preempted)"
+        if idle:
+            reason += f"; asking {', '.join(idle)} to suspend once idle for {self.suspend_idle_after_s:g} s"
         if ahead:
             reason += f"; {ahead} request(s) ahead"
         return pb.Waiting(position=ahead + 1, reason=reason, holders=holders)
@@ -146,12 +238,18 @@ class Allocator:
     # -- selection -------------------------------------------------------------------------
 
     @staticmethod
+    def _pool(ticket: Ticket, registry: Registry) -> list[int]:
+        """The devices a request may be granted, sorted."""
+        return list(ticket.want) if ticket.want else registry.device_ids(ticket.islands)
+
+    @staticmethod
     def _wanted_devices(ticket: Ticket, pool: list[int]) -> list[int]:
+        """The devices a request that must wait waits for: the lowest ids it could have."""
         return pool[: ticket.num_devices] if ticket.num_devices else pool
 
     def _candidates(self, ticket: Ticket, pool: list[int]) -> tuple[int, ...] | None:
         """The devices (lowest ids first) to grant now, or None if the request must wait."""
-        unavailable = self._held if ticket.exclusive else self._held_exclusively
+        unavailable = self._holders if ticket.exclusive else self._held_exclusively
         wanted = ticket.num_devices
         if not wanted:
             return None if any(d in unavailable for d in pool) else tuple(pool)
@@ -174,6 +272,8 @@ class Allocator:
                 num_devices=t.num_devices,
                 waiting=self.waiting(t, registry),
                 age_s=now - t.created,
+                priority=t.priority,
+                resuming=bool(t.want),
             )
             for t in self.queue
         ]
@@ -187,6 +287,7 @@ class Allocator:
                 exclusive=t.exclusive,
                 device_ids=t.devices,
                 age_s=now - t.created,
+                priority=t.priority,
             )
             for t in self.granted.values()
         ]

@@ -20,8 +20,19 @@ class ResourceManagerServer:
         worker_timeout_s: float = 3.0,
         heartbeat_interval_s: float = 0.5,
         credentials: ClusterCredentials | None = None,
+        suspend_idle_after_s: float = 0.0,
+        suspend_idle_always: bool = False,
+        priority_ceilings: dict[str, int] | None = None,
     ):
-        self.service = ResourceManagerService(topology, worker_timeout_s, heartbeat_interval_s)
+        """The last three: the policy on sessions (``rm.policy.SessionPolicy``)."""
+        self.service = ResourceManagerService(
+            topology,
+            worker_timeout_s,
+            heartbeat_interval_s,
+            suspend_idle_after_s=suspend_idle_after_s,
+            suspend_idle_always=suspend_idle_always,
+            priority_ceilings=priority_ceilings,
+        )
 
         async def start() -> None:
             self.service.start()

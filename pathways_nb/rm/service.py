@@ -25,8 +25,9 @@ import grpc
 from pathways_nb.core import host_profiler, tuning
 from pathways_nb.core.keepalive import Liveness
 from pathways_nb.protocol.errors import RequestError, as_request_error, grpc_code
-from pathways_nb.rm.allocator import Allocator, Unsatisfiable
+from pathways_nb.rm.allocator import ANONYMOUS, Allocator, Ticket, Unsatisfiable
 from pathways_nb.rm.groups import Groups, GroupUnavailable, Orders, Phase
+from pathways_nb.rm.policy import SessionPolicy
 from pathways_nb.rm.registry import Registry, WorkerEntry
 from pathways_nb.rm.topology import Topology
 from pathways_nb.rpc import cluster_pb2 as pb
@@ -54,7 +55,13 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
         publish_interval_s: float = 0.1,
         max_heartbeats_per_s: float = 256.0,
         max_load_reports_per_s: float = 64.0,
+        suspend_idle_after_s: float = 0.0,
+        suspend_idle_always: bool = False,
+        priority_ceilings: dict[str, int] | None = None,
     ):
+        """The last three are the policy on sessions (``rm.policy.SessionPolicy``); ``ValueError`` if it is
+        inconsistent."""
+        self.policy = SessionPolicy(suspend_idle_after_s, suspend_idle_always, priority_ceilings)
         self.topology = topology
         self.heartbeat_interval_s = heartbeat_interval_s
         self.max_heartbeats_per_s = max_heartbeats_per_s
@@ -62,7 +69,9 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
         self.publish_interval_s = publish_interval_s
         self.liveness = Liveness.within(worker_timeout_s)
         self.registry = Registry(topology, worker_timeout_s)
-        self.allocator = Allocator()
+        self.allocator = Allocator(suspend_idle_after_s)
+        # Set when what a granted allocation's holder is told of those who want its devices changed.
+        self._news: dict[Ticket, asyncio.Event] = {}
         self.groups = Groups(self.registry)
         # The replies each attached worker is sent on its Attach stream (group orders), by worker id.
         self._outboxes: dict[str, asyncio.Queue] = {}
@@ -149,8 +158,26 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
         return max(tuning.LOAD_REPORT_INTERVAL_S.value, len(self.registry.workers) / self.max_load_reports_per_s)
 
     def _grant(self) -> None:
+        """Grants what fits, then tells holders who wants their devices (both cheap: done on every change)."""
         if self.allocator.queue and self.allocator.grant(self.registry):
             self._changed()
+        for holder in self.allocator.contention(self.registry):
+            wanted = holder.told
+            if wanted.by:
+                _LOGGER.info(
+                    "asking %s of tenant %s (priority %d) to suspend %s: %s waits for its devices",
+                    holder.allocation_id,
+                    holder.tenant,
+                    holder.priority,
+                    "now" if wanted.preempt else f"once idle for {self.policy.suspend_idle_after_s:g} s",
+                    wanted.by,
+                )
+            else:
+                _LOGGER.info(
+                    "%s of tenant %s: nobody waits for its devices any more", holder.allocation_id, holder.tenant
+                )
+            if holder in self._news:
+                self._news[holder].set()
 
     # -- workers ---------------------------------------------------------------------------
 
@@ -307,11 +334,26 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
     async def Allocate(self, request, context):
         if request.num_devices < 0 or request.timeout_s < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "num_devices and timeout_s must be >= 0")
+        tenant = request.tenant or ANONYMOUS
+        ceiling = self.policy.ceiling(tenant)
+        if ceiling is not None and request.priority > ceiling:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"tenant {tenant} asked for priority {request.priority}, above its ceiling {ceiling}: ask for "
+                f"priority <= {ceiling}, or an operator raises --priority_ceiling {tenant}={request.priority}",
+            )
         if request.reclaim_allocation_id:
             async for update in self._hold_reclaimed(request):
                 yield update
             return
-        ticket = self.allocator.submit(request.tenant, request.exclusive, request.num_devices, tuple(request.islands))
+        ticket = self.allocator.submit(
+            tenant,
+            request.exclusive,
+            request.num_devices,
+            tuple(request.islands),
+            request.priority,
+            tuple(request.want_device_ids),
+        )
         deadline = time.monotonic() + request.timeout_s if request.timeout_s else None
         try:
             try:
@@ -332,16 +374,9 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
                 yield pb.AllocateUpdate(waiting=waiting)
                 await self._next_change(None if deadline is None else max(0.0, deadline - time.monotonic()))
             _LOGGER.info("%s granted to %s: devices %s", ticket.allocation_id, ticket.tenant, list(ticket.devices))
-            yield pb.AllocateUpdate(
-                granted=pb.Allocation(
-                    allocation_id=ticket.allocation_id,
-                    devices=[self.registry.device(i) for i in ticket.devices],
-                    platform=self._platform(),
-                    cluster_islands=self._islands(),
-                )
-            )
-            # The allocation lasts as long as this call: until the holder cancels it or goes away.
-            await asyncio.Event().wait()
+            yield pb.AllocateUpdate(granted=self._allocation(ticket))
+            async for update in self._held(ticket):
+                yield update
         finally:
             self.allocator.release(ticket)
             self._grant()
@@ -350,22 +385,51 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
     async def _hold_reclaimed(self, request):
         """Grants again, at once, an allocation a proxy held before this resource manager restarted."""
         ticket = self.allocator.reclaim(
-            request.reclaim_allocation_id, request.tenant, request.exclusive, tuple(request.reclaim_device_ids)
+            request.reclaim_allocation_id,
+            request.tenant,
+            request.exclusive,
+            tuple(request.reclaim_device_ids),
+            request.priority,
         )
         _LOGGER.info("%s of %s reclaimed: devices %s", ticket.allocation_id, ticket.tenant, list(ticket.devices))
+        self._grant()  # those waiting for its devices ask it to suspend
         self._changed()
         try:
-            granted = pb.Allocation(
-                allocation_id=ticket.allocation_id, platform=self._platform(), cluster_islands=self._islands()
-            )
-            devices = (self.registry.device(i) for i in ticket.devices)
-            granted.devices.extend(device for device in devices if device is not None)
-            yield pb.AllocateUpdate(granted=granted)
-            await asyncio.Event().wait()
+            yield pb.AllocateUpdate(granted=self._allocation(ticket))
+            async for update in self._held(ticket):
+                yield update
         finally:
             self.allocator.release(ticket)
             self._grant()
             self._changed()
+
+    def _allocation(self, ticket: Ticket) -> pb.Allocation:
+        granted = pb.Allocation(
+            allocation_id=ticket.allocation_id,
+            platform=self._platform(),
+            cluster_islands=self._islands(),
+            suspend_idle_after_s=self.policy.suspend_idle_after_s,
+            suspend_idle_always=self.policy.suspend_idle_always,
+        )
+        devices = (self.registry.device(i) for i in ticket.devices)
+        # (A reclaimed allocation's workers may not have registered again yet.)
+        granted.devices.extend(device for device in devices if device is not None)
+        return granted
+
+    async def _held(self, ticket: Ticket):
+        """A granted allocation lasts as long as its call, until the holder cancels it or goes away; meanwhile the
+        holder is told each time who wants its devices changes (``Allocator.contention``)."""
+        news = self._news[ticket] = asyncio.Event()
+        sent = pb.Wanted()
+        try:
+            while True:
+                if ticket.told != sent:
+                    sent = ticket.told
+                    yield pb.AllocateUpdate(wanted=sent)
+                await news.wait()
+                news.clear()
+        finally:
+            del self._news[ticket]
 
     def _islands(self) -> int:
         return self.topology.islands if self.topology else len(self.registry.islands())

@@ -572,6 +572,11 @@ class ObserveStub:
                 request_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.OutputContextRequest.SerializeToString,
                 response_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.OutputLines.FromString,
                 _registered_method=True)
+        self.ControlSessions = channel.unary_unary(
+                '/pathways_nb.v1.Observe/ControlSessions',
+                request_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.SessionControl.SerializeToString,
+                response_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.SessionControlResponse.FromString,
+                _registered_method=True)
 
 
 class ObserveServicer:
@@ -647,6 +652,14 @@ class ObserveServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ControlSessions(self, request, context):
+        """Suspends or resumes sessions: the caller's own (tenant and secret, as EndSessions), or, for an
+        operator, any by id. Answers once they are suspended (or running) again, with their states.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ObserveServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -694,6 +707,11 @@ def add_ObserveServicer_to_server(servicer, server):
                     servicer.SwitchOutputContext,
                     request_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.OutputContextRequest.FromString,
                     response_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.OutputLines.SerializeToString,
+            ),
+            'ControlSessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ControlSessions,
+                    request_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.SessionControl.FromString,
+                    response_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.SessionControlResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -940,6 +958,33 @@ class Observe:
             '/pathways_nb.v1.Observe/SwitchOutputContext',
             pathways__nb_dot_rpc_dot_cluster__pb2.OutputContextRequest.SerializeToString,
             pathways__nb_dot_rpc_dot_cluster__pb2.OutputLines.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ControlSessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pathways_nb.v1.Observe/ControlSessions',
+            pathways__nb_dot_rpc_dot_cluster__pb2.SessionControl.SerializeToString,
+            pathways__nb_dot_rpc_dot_cluster__pb2.SessionControlResponse.FromString,
             options,
             channel_credentials,
             insecure,
