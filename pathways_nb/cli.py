@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -88,6 +89,9 @@ def _serve_resource_manager(args: argparse.Namespace) -> int:
         host=args.host,
         worker_timeout_s=args.worker_timeout,
         credentials=security.ClusterCredentials.from_args(args),
+        suspend_idle_after_s=args.suspend_idle_after,
+        suspend_idle_always=args.suspend_idle_always,
+        priority_ceilings=args.priority_ceiling,
     )
     shape = f"{topology.islands} island(s) of {topology.instance_type}" if topology else "any workers"
     return _serve(server, f"pathways-nb resource manager at {server.address} for {shape}", started, args.port_file)
@@ -141,6 +145,7 @@ def _serve_worker(args: argparse.Namespace) -> int:
         on_fatal=stop.fail,
         members=members,
         group=group,
+        suspend_memory_budget=args.suspend_memory_budget,
     )
     message = (
         f"pathways-nb worker {server.registration.worker_id} at {server.address} with "
@@ -168,6 +173,7 @@ def _member_arguments(args: argparse.Namespace, membership) -> list[str]:
         ("--advertise_address", args.advertise_address),
         ("--devices", args.devices),
         ("--storage_root", args.storage_root),
+        ("--suspend_memory_budget", args.suspend_memory_budget),
         ("--token_file", args.token_file),
         ("--tls_cert", args.tls_cert),
         ("--tls_key", args.tls_key),
@@ -212,6 +218,33 @@ def _logs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sessions(args: argparse.Namespace) -> int:
+    from pathways_nb.client import tables
+    from pathways_nb.client.connection import ADDRESS_ENV, resolve_address
+    from pathways_nb.client.observe import Observer
+    from pathways_nb.rpc import cluster_pb2 as pb
+
+    if args.action != "list" and not args.session_ids:
+        raise ValueError(
+            f"name the sessions to {args.action} by id (pathways-nb sessions list shows them); a notebook "
+            f"{args.action}s its own with %pathways {args.action}"
+        )
+    address = args.address or os.environ.get(ADDRESS_ENV)
+    if not address:
+        raise ValueError(f"pass the proxy's --address HOST:PORT, or set {ADDRESS_ENV}")
+    address, found_token = resolve_address(address)
+    token = security.read_token_file(args.token_file) if args.token_file else found_token or security.token_from_env()
+    observer = Observer(address, token)
+    try:
+        infos = observer.control_sessions(
+            pb.SessionControl.Action.Value(args.action.upper()), session_ids=args.session_ids
+        )
+    finally:
+        observer.close()
+    print(tables.sessions(infos).to_string(index=False) if infos else f"no sessions at {address}")
+    return 0
+
+
 def _kernel_install(args: argparse.Namespace) -> int:
     from pathways_nb.notebook.kernelspec import install
 
@@ -223,6 +256,7 @@ def _kernel_install(args: argparse.Namespace) -> int:
 
 def _deploy_k8s(args: argparse.Namespace) -> int:
     from pathways_nb.deploy import Deployment, accelerator, write_kubernetes
+    from pathways_nb.rm.policy import SessionPolicy
 
     deployment = Deployment(
         islands=args.islands,
@@ -233,6 +267,7 @@ def _deploy_k8s(args: argparse.Namespace) -> int:
         name=args.name,
         namespace=args.namespace,
         colocated_python=args.colocated_python,
+        policy=SessionPolicy(args.suspend_idle_after, args.suspend_idle_always, args.priority_ceiling),
     )
     for path in write_kubernetes(deployment, args.output):
         print(f"wrote {path}")
@@ -279,6 +314,17 @@ def _serve(server, message: str, started: float, port_file: str | None, stop=Non
 DEVICES_HELP = "number of CPU devices to create (default: JAX's, 1); accelerators always serve all of theirs"
 
 
+def _add_suspend_memory_budget(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--suspend_memory_budget",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="bytes of suspended sessions' arrays a host keeps in its memory; beyond them they go to files under "
+        "the storage root until the session resumes (default: no limit)",
+    )
+
+
 def _add_storage_root(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument(
         "--storage_root",
@@ -321,6 +367,7 @@ def _add_deploy_slurm(targets, common: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from pathways_nb.launch.colocated_host import DEFAULT_UID_BASE
+    from pathways_nb.rm import policy
 
     parser = ArgumentParser(prog="pathways-nb", description="Run JAX on a Pathways-style cluster.")
     parser.add_argument("--version", action="version", version=f"pathways-nb {__version__}")
@@ -399,6 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=3.0,
         help="seconds within which a worker that vanished (host gone, network cut, stopped) is found dead",
     )
+    policy.add_arguments(rm)
     rm.add_argument("--port_file", default=None, help="write the bound port to this file once serving")
     security.add_arguments(rm, serve_tls=True, call_tls=False)
     rm.set_defaults(run=_serve_resource_manager)
@@ -442,6 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     # Set by a worker for the member processes it starts (launch.members): not for people.
     worker.add_argument("--group_member", default=None, help=argparse.SUPPRESS)
+    _add_suspend_memory_budget(worker)
     _add_storage_root(worker, "the worker writes profiles and checkpoints that clients ask for")
     security.add_arguments(worker, serve_tls=True, call_tls=True)
     worker.set_defaults(run=_serve_worker)
@@ -509,6 +558,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep its processes' logs when it stops (default: only if the run failed: a process ended or "
         "logged an error)",
     )
+    policy.add_arguments(up)
+    _add_suspend_memory_budget(up)
     up.add_argument(
         "--slurm",
         action="store_const",
@@ -540,6 +591,25 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("--tail", type=int, default=None, help="only the last N lines of each (default: all)")
     logs.set_defaults(run=_logs)
 
+    sessions = commands.add_parser(
+        "sessions", parents=[common], help="list a cluster's sessions, or suspend or resume some of them"
+    )
+    sessions.add_argument("action", nargs="?", default="list", choices=["list", "suspend", "resume"])
+    sessions.add_argument(
+        "session_ids", nargs="*", type=int, metavar="SESSION_ID", help="the sessions to act on (list: default all)"
+    )
+    sessions.add_argument(
+        "--address",
+        default=None,
+        help="the proxy's HOST:PORT, slurm://JOBID or address file (default: $PATHWAYS_ADDRESS)",
+    )
+    sessions.add_argument(
+        "--token_file",
+        default=None,
+        help="file holding the cluster token (default: the one beside --address's file, else $PATHWAYS_CLUSTER_TOKEN)",
+    )
+    sessions.set_defaults(run=_sessions)
+
     deploy = commands.add_parser("deploy", parents=[common], help="write what runs a cluster on other machines")
     targets = deploy.add_subparsers(dest="deploy_target", required=True)
     k8s = targets.add_parser(
@@ -558,6 +628,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run tenants' jax.experimental.colocated_python beside the devices: each worker pod gets a "
         "colocated-host sidecar (CPU workers; docs/colocated_python.md)",
     )
+    policy.add_arguments(k8s)
     k8s.add_argument("--output", required=True, help="directory to write the files into")
     k8s.set_defaults(run=_deploy_k8s)
     _add_deploy_slurm(targets, common)

@@ -221,6 +221,12 @@ class ArrayRecord:
         if self._pending is not None:
             self._pending.resolve(value)
 
+    def replace(self, value) -> None:
+        """Another form of the ready value (a suspended session's array in host memory, and on its device again):
+        the record lets go of the old one, whose memory is freed once nothing reads it."""
+        self.value = value
+        self._pending = None
+
     def fail(self, error: RequestError) -> None:
         self.error = error
         self.free()

@@ -40,7 +40,7 @@ from pathways_nb.protocol.errors import InvalidRequest, RequestError, Unavailabl
 from pathways_nb.protocol.layouts import LayoutBook
 from pathways_nb.proxy.cluster_session import ClusterSession
 from pathways_nb.proxy.connection_output import HostLineSink
-from pathways_nb.proxy.lease import Leases
+from pathways_nb.proxy.lease import Lease, Leases
 from pathways_nb.proxy.worker_link import WorkerLink, WorkerLost
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
@@ -312,21 +312,31 @@ class ClusterRuntime:
             num_devices=options.num_devices,
             islands=options.islands,
             timeout_s=options.timeout_s,
+            priority=options.priority,
         )
+        lease = await self.allocate(session_id, request)
+        session = ClusterSession(self, session_id, lease, events, options, output)
+        self._sessions.add(session)
+        lease.hold(session_id)
+        return session
+
+    async def allocate(self, session_id: int, request: pb.AllocateRequest, on_waiting=None) -> Lease:
+        """A granted lease for ``request`` (on the loop), waiting in the queue as long as it says; the resource
+        manager's refusal as a ``RequestError``."""
+
+        def waiting(update: pb.Waiting) -> None:
+            _LOGGER.info("session %d: %s", session_id, update.reason)
+            if on_waiting is not None:
+                on_waiting(update)
+
         try:
-            lease = await self.leases.grant(
-                request, lambda waiting: _LOGGER.info("session %d: %s", session_id, waiting.reason)
-            )
+            return await self.leases.grant(request, waiting)
         except grpc.aio.AioRpcError as error:
             raise _rm_error(error, self.rm_address) from None
         except EOFError:
             raise Unavailable(
                 f"the resource manager at {self.rm_address} ended the allocation before granting it"
             ) from None
-        session = ClusterSession(self, session_id, lease, events, options, output)
-        self._sessions.add(session)
-        lease.hold(session_id)
-        return session
 
     @property
     def leases(self) -> Leases:

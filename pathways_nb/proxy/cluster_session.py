@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING
 
@@ -753,6 +753,53 @@ class ClusterSession:
             single = IfrtSharding((device.id,), spec.sharding.memory_kind)
             singles.append(runs[device.worker_id].result(spec.kind, shard_shape, single, self._local(single, where)))
         return ShardedRemoteArray(singles, spec.shape, spec.sharding)
+
+    # -- suspending ------------------------------------------------------------------------
+
+    def on_wanted(self, tell: Callable[[pb.Wanted], None]) -> None:
+        """``tell(wanted)`` whenever the resource manager says a waiting request wants this session's devices."""
+        self._lease.on_wanted = tell
+
+    def suspend_on_workers(self) -> list[tuple[WorkerLink, Pending]]:
+        """Asks each worker that holds the session's arrays to move them to host memory; each pending is done once
+        it has (after the work already sent to it)."""
+        return self._to_workers(pb.Command(suspend=pb.Suspend()), "suspend")
+
+    def resume_on_workers(self) -> list[tuple[WorkerLink, Pending]]:
+        """Asks each worker that holds the session's suspended arrays to put them back on their devices."""
+        return self._to_workers(pb.Command(resume=pb.Resume()), "resume")
+
+    def _to_workers(self, command: pb.Command, field: str) -> list[tuple[WorkerLink, Pending]]:
+        with self._lock:
+            links = [link for link in self._links.values() if link.alive]
+        asked = []
+        for link in links:
+            try:
+                asked.append((link, link.request(command, field)))
+            except RequestError as error:  # its worker is gone, and the arrays with it
+                _LOGGER.warning("session %d: %s: %s", self.session_id, link.describe(), error.message)
+        return asked
+
+    def give_back_devices(self) -> None:
+        """Ends the allocation while the session is suspended (its streams to the workers stay open)."""
+        self._lease.release()
+
+    def allocation_request(self) -> pb.AllocateRequest:
+        """What the session asks for to resume: exactly its devices again, at its priority, for as long as it waits."""
+        options = self.options
+        return pb.AllocateRequest(
+            tenant=options.tenant,
+            exclusive=options.exclusive,
+            num_devices=len(self._device_ids),
+            priority=options.priority,
+            want_device_ids=self._device_ids,
+        )
+
+    def take_devices(self, lease: Lease) -> None:
+        """Holds the allocation that gave the session its devices again (the same ones: ``allocation_request``)."""
+        lease.on_wanted = self._lease.on_wanted
+        self._lease = lease
+        lease.hold(self.session_id)
 
     # -- ending ----------------------------------------------------------------------------
 

@@ -8,12 +8,16 @@ When the call breaks because the resource manager restarted, the allocation
 is claimed again, under the same id and devices, once it is back; a claim that
 fails is tried again after a backoff, and one that can never succeed (the
 resource manager refuses this proxy's token) gives up with an error in the log.
+While it is held, the resource manager may say on the same call that a waiting request
+wants its devices (``Wanted``): the lease hands that to its session (``on_wanted``), which
+decides whether to suspend (``proxy.suspension``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import grpc
 
@@ -67,6 +71,8 @@ class Lease:
         self._request = request
         self.granted = granted
         self._released = False
+        # Told of each Wanted the resource manager sends while the lease is held (on the loop).
+        self.on_wanted: Callable[[pb.Wanted], None] | None = None
 
     def hold(self, session_id: int) -> None:
         """Keeps the allocation for the session's life, claiming it again from a restarted resource manager."""
@@ -81,8 +87,10 @@ class Lease:
         retry = Retry(f"claiming allocation {self.granted.allocation_id} again")
         while not self._released:
             try:
-                async for _update in self._call:
+                async for update in self._call:
                     retry.succeeded()
+                    if update.HasField("wanted") and self.on_wanted is not None:
+                        self.on_wanted(update.wanted)
             except asyncio.CancelledError:
                 return
             except grpc.aio.AioRpcError as error:

@@ -4,13 +4,14 @@ what a client's own code beside the devices wrote (``proxy.connection_output``).
 from __future__ import annotations
 
 import asyncio
+import hmac
 
 import grpc
 
 from pathways_nb._version import __version__
 from pathways_nb.core import session_options, tuning
 from pathways_nb.core.host_profiler import XPLANE_SUFFIX, check_session_name, session_location
-from pathways_nb.protocol.errors import RequestError
+from pathways_nb.protocol.errors import InvalidRequest, NotFound, RequestError, grpc_code
 from pathways_nb.proxy.connection_output import ConnectionOutput
 from pathways_nb.proxy.context import ProxyContext
 from pathways_nb.proxy.service import IfrtProxyService
@@ -121,13 +122,73 @@ class ObserveService(cluster_pb2_grpc.ObserveServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, e.message)
         state.proxy_version = __version__
         state.activities.extend(self.context.activities.snapshot())
-        for session in self.service.sessions():
-            state.sessions.add(
-                session_id=session.session_id,
-                tenant=session.tenant,
-                device_ids=session.device_ids if session.has_devices else (),
-                arrays=len(session.arrays),
-                programs=len(session.programs),
-                requests=session.requests_served,
-            )
+        state.sessions.extend(session_info(session) for session in self.service.sessions())
         return state
+
+    async def ControlSessions(self, request, context):
+        """Suspends or resumes the caller's own sessions (tenant and secret) or, for an operator, sessions by id;
+        answers once each is suspended, or running again, with their states."""
+        try:
+            chosen = self._chosen_sessions(request)
+        except RequestError as error:
+            await context.abort(grpc_code(error), error.message)
+        action = pb.SessionControl.Action
+        if request.action != action.LIST:
+            not_suspendable = [session.session_id for session in chosen if session.suspension is None]
+            if not_suspendable:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"sessions {not_suspendable} cannot be suspended: only a cluster's sessions can (a single-process "
+                    "proxy has no resource manager to lend devices to others), once they have their devices",
+                )
+            by = "its client" if request.secret else "an operator"
+            moves = [
+                session.suspension.suspend(f"by {by}")
+                if request.action == action.SUSPEND
+                else session.suspension.resume(f"by {by}")
+                for session in chosen
+            ]
+            await asyncio.gather(*moves)
+        return pb.SessionControlResponse(sessions=[session_info(session) for session in chosen])
+
+    def _chosen_sessions(self, request: pb.SessionControl) -> list:
+        """The sessions a ControlSessions call names: its connection's, those with the ids given, or (LIST) all."""
+        sessions = self.service.sessions()
+        if request.tenant or request.secret:
+            if not (request.tenant and request.secret):
+                raise InvalidRequest("name both the tenant and the secret of the connection whose sessions to control")
+            secret = request.secret.encode()
+            own = [s for s in sessions if s.tenant == request.tenant and hmac.compare_digest(s.secret, secret)]
+            if not own:
+                raise NotFound(f"no session of tenant {request.tenant!r} with that secret is open here")
+            return own
+        if request.session_ids:
+            by_id = {session.session_id: session for session in sessions}
+            unknown = sorted(set(request.session_ids) - set(by_id))
+            if unknown:
+                raise NotFound(
+                    f"no sessions {unknown} on this proxy (open: {sorted(by_id)}); pathways-nb sessions lists them"
+                )
+            return [by_id[session_id] for session_id in dict.fromkeys(request.session_ids)]
+        if request.action != pb.SessionControl.Action.LIST:
+            raise InvalidRequest(
+                "name the sessions to suspend or resume: by id, or your connection's tenant and secret"
+            )
+        return sessions
+
+
+def session_info(session) -> pb.SessionInfo:
+    """What notebooks and ``pathways-nb sessions`` show of a session."""
+    info = pb.SessionInfo(
+        session_id=session.session_id,
+        tenant=session.tenant,
+        device_ids=session.device_ids if session.has_devices else (),
+        arrays=len(session.arrays),
+        programs=len(session.programs),
+        requests=session.requests_served,
+        state="running" if session.has_devices else "queued",
+    )
+    if session.suspension is not None:
+        for name, value in session.suspension.info().items():
+            setattr(info, name, value)
+    return info

@@ -37,6 +37,7 @@ from pathways_nb.protocol.errors import (
 from pathways_nb.proxy import dispatch
 from pathways_nb.proxy.context import ProxyContext, Quota
 from pathways_nb.proxy.host_buffers import HostBuffers
+from pathways_nb.proxy.suspension import Suspension
 from pathways_nb.proxy.versions import Negotiated
 
 _LOGGER = logging.getLogger(__name__)
@@ -64,6 +65,8 @@ class Session:
         # The session's devices, from ``open_devices`` (the init request).
         self._devices: DeviceSession | None = None
         self._opening: asyncio.Task | None = None
+        # Its devices lent by a cluster: suspended and resumed (None: a single-process proxy's, or none yet).
+        self.suspension: Suspension | None = None
         # What the client sent as ClientConnectionOptions.initialization_data.
         self.init_attributes = init_attributes or {}
         self.events = context.events.sink(self.tenant)
@@ -128,6 +131,7 @@ class Session:
             if waited > 0.05:
                 self.events(event("wait", "waiting for devices", devices.device_ids, started, started + waited))
             self._devices = devices
+            self.suspension = Suspension.of(self, devices)
             done(devices, None)
 
         self._opening = self.loop.create_task(allocate())
@@ -169,6 +173,8 @@ class Session:
         handler = dispatch.HANDLERS.get(kind) if kind else None
         if _LOGGER.isEnabledFor(logging.DEBUG):
             _LOGGER.debug("session %d op %d: %s", self.session_id, op_id, _short(request))
+        if self.suspension is not None and self.suspension.holds(request):
+            return  # served once the session runs again
         self.requests_served += 1
         if handler is None:
             self.reply_error(op_id, Unimplemented(_unimplemented_message(kind)))
@@ -321,6 +327,8 @@ class Session:
         self.closed = True
         if self._opening is not None:
             self._opening.cancel()  # a session still queued for devices stops asking
+        if self.suspension is not None:
+            self.suspension.close()
         arrays, self.arrays = self.arrays, {}
         self.programs.clear()
         self.latest_work.clear()

@@ -71,9 +71,12 @@ class WorkerServer:
         on_fatal: Callable[[str], None] | None = None,
         members: MemberProcesses | None = None,
         group: pb.GroupMembership | None = None,
+        suspend_memory_budget: int | None = None,
     ):
-        """``storage``: where the non-XLA programs clients send (profiles, checkpoints) write. ``on_fatal(why)``:
-        called (on a thread of its own) if the worker can no longer be part of its cluster; default: ``stop``.
+        """``storage``: where the non-XLA programs clients send (profiles, checkpoints) write, and where suspended
+        sessions' arrays beyond ``suspend_memory_budget`` bytes of this host's memory go (None: no limit).
+        ``on_fatal(why)``: called (on a thread of its own) if the worker can no longer be part of its cluster;
+        default: ``stop``.
         ``members``: starts this host's members of groups of islands when the resource manager says (None: this
         worker takes part in no group); ``group``: this process is such a member."""
         credentials = credentials or ClusterCredentials()
@@ -94,7 +97,13 @@ class WorkerServer:
             where = f"island {island} host {host_index}"
             colocated = ColocatedPython(runtime, colocated_python_host, credentials, where)
         place = HostContext(storage or StorageRoot(default_root()), island, host_index, name, colocated=colocated)
-        self.service = WorkerService(runtime, credentials=credentials, host=place, colocated=colocated)
+        self.service = WorkerService(
+            runtime,
+            credentials=credentials,
+            host=place,
+            colocated=colocated,
+            suspend_memory_budget=suspend_memory_budget,
+        )
         self._server = BackgroundServer(
             lambda server: cluster_pb2_grpc.add_WorkerServicer_to_server(self.service, server),
             [SERVICE_NAME],

@@ -34,6 +34,7 @@ from pathways_nb.worker.programs import Programs
 from pathways_nb.worker.runtime import LocalRuntime
 from pathways_nb.worker.session import WorkerSession
 from pathways_nb.worker.share import FairShare
+from pathways_nb.worker.suspended import HostBudget
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
         credentials: ClusterCredentials | None = None,
         host: HostContext | None = None,
         colocated: ColocatedPython | None = None,
+        suspend_memory_budget: int | None = None,
     ):
         self.runtime = runtime
         # This host's place and storage root, for the non-XLA programs it runs.
@@ -127,6 +129,8 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
         self.share = FairShare()
         # Array bytes for the proxy and peers on this host go through shared memory (its key is registered).
         self.outbox = shared_memory.Outbox("worker")
+        # Suspended sessions' arrays: in this host's memory up to the budget, beyond it in files.
+        self.suspend_budget = HostBudget(suspend_memory_budget, self.host.storage.root / "suspended" / self.host.name)
         # Set as the worker begins to stop: the streams its server then ends are not failures.
         self.stopping = False
 
@@ -153,6 +157,7 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
             self.outbox,
             self.host,
             replies.put_output,
+            self.suspend_budget,
         )
         self.sessions[key] = session
         for waiting in self._early_pushes.pop(key, ()):

@@ -31,12 +31,20 @@ from pathways_nb.core.loop import call_on
 from pathways_nb.core.memory import release_free_memory
 from pathways_nb.core.string_arrays import StringArray
 from pathways_nb.protocol import dtypes
-from pathways_nb.protocol.errors import InvalidRequest, NotFound, RequestError, Unavailable, as_request_error
+from pathways_nb.protocol.errors import (
+    FailedPrecondition,
+    InvalidRequest,
+    NotFound,
+    RequestError,
+    Unavailable,
+    as_request_error,
+)
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.worker.gang import IslandOrder
 from pathways_nb.worker.programs import Programs
 from pathways_nb.worker.runtime import LocalRuntime
 from pathways_nb.worker.share import FairShare
+from pathways_nb.worker.suspended import HostBudget, HostCopy, movable, to_devices, to_host
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -118,8 +126,11 @@ class WorkerSession:
         outbox: shared_memory.Outbox | None = None,
         host: nonxla.HostContext | None = None,
         output: Callable[[Sequence[pb.OutputLine]], None] | None = None,
+        suspend_budget: HostBudget | None = None,
     ):
         self.key = key
+        # Where its arrays go while it is suspended: this host's memory, up to the budget the host's sessions share.
+        self._suspend_budget = suspend_budget or HostBudget(None)
         # This host's place and storage root, for non-XLA programs (None: it runs none).
         self._host = host
         self.runtime = runtime
@@ -144,6 +155,8 @@ class WorkerSession:
         self.arrays: dict[int, ArrayRecord] = {}
         self._uploads: dict[int, bytearray] = {}
         self._unreported = _Unreported()
+        # Suspended: its arrays are in host memory and the proxy sends nothing but Resume (and Forget).
+        self.suspended = False
         self.closed = False
 
     # -- records ---------------------------------------------------------------------------
@@ -200,6 +213,8 @@ class WorkerSession:
         try:
             if kind is None:
                 raise InvalidRequest("a command with no operation")
+            if self.suspended and kind not in ("resume", "forget"):
+                raise FailedPrecondition(f"session {self.key} is suspended: resume it before sending {kind}")
             getattr(self, f"_{kind}")(body)
         except Exception as error:  # noqa: BLE001 - one bad command must not end the session
             failure = as_request_error(error)
@@ -507,6 +522,8 @@ class WorkerSession:
             if command.delete:
                 record.delete()
             elif record.ready:
+                if isinstance(record.value, HostCopy):  # a suspended array's copy: its memory or file goes now
+                    record.value.delete()
                 del self.arrays[array_id]
             else:
                 # Still arriving: keep it findable until then (work chained onto it needs its value).
@@ -670,6 +687,66 @@ class WorkerSession:
         layout = self.runtime.default_layout(dtypes.to_numpy(command.dtype_kind), command.dims, command.device_id)
         self._reply(pb.Reply(request=command.request, layout=layout))
 
+    # -- suspending ------------------------------------------------------------------------
+
+    def _suspend(self, command: pb.Suspend) -> None:
+        """Moves the session's arrays to host memory once the work that makes them has settled; replies done."""
+
+        def move() -> None:
+            ids = [array_id for array_id, record in self.arrays.items() if movable(record)]
+            records = [self.arrays[array_id] for array_id in ids]
+            started = time.time()
+
+            def moved(copies, error: RequestError | None) -> None:
+                if error is not None:
+                    self._reply(pb.Reply(request=command.request, error=status_of(error)))
+                    return
+                for array_id, record, copy in zip(ids, records, copies, strict=True):
+                    if self.arrays.get(array_id) is record:
+                        record.replace(copy)
+                    else:  # forgotten while it was copied
+                        copy.delete()
+                self.suspended = True
+                release_free_memory()
+                _LOGGER.info(
+                    "session %s suspended: %d arrays (%d bytes, %d of them to disk) in %.2f s",
+                    self.key,
+                    len(copies),
+                    sum(copy.nbytes for copy in copies),
+                    sum(copy.spilled_bytes for copy in copies),
+                    time.time() - started,
+                )
+                self._reply(pb.Reply(request=command.request, done=True))
+
+            self._background(lambda: to_host(records, self._suspend_budget, self._file_prefix), moved)
+
+        self._when_settled(move)
+
+    def _when_settled(self, then: Callable[[], None]) -> None:
+        """Calls ``then`` on the loop once every array of the session has its value or its error."""
+        unsettled = next((record for record in self.arrays.values() if not record.ready), None)
+        if unsettled is None:
+            then()
+            return
+        unsettled.pending.on_done(lambda _value, _error: self.on_loop(lambda: self._when_settled(then)))
+
+    def _resume(self, command: pb.Resume) -> None:
+        """Puts the suspended arrays back on their devices; replies done."""
+        records = [r for r in self.arrays.values() if isinstance(r.value, HostCopy) and not r.value.is_deleted()]
+
+        def restored(values, error: RequestError | None) -> None:
+            if error is not None:
+                self._reply(pb.Reply(request=command.request, error=status_of(error)))
+                return
+            for record, value in zip(records, values, strict=True):
+                copy = record.value
+                record.replace(value)
+                copy.delete()
+            self.suspended = False
+            self._reply(pb.Reply(request=command.request, done=True))
+
+        self._background(lambda: to_devices([record.value for record in records]), restored)
+
     # -- ending ----------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -683,4 +760,5 @@ class WorkerSession:
         for record in arrays.values():
             if record.value is not None and not record.value.is_deleted():
                 record.delete()  # after any read of it under way on another thread
+        self._suspend_budget.forget(self._file_prefix)
         release_free_memory()

@@ -1,0 +1,261 @@
+"""Suspending and resuming one client session: its devices go to others while it waits, and come back.
+
+A suspended session keeps everything but its devices: its arrays wait in its workers' host memory
+(``worker.suspended``), its compiled programs stay loaded there, its handles stay valid in the
+client. Its client is never told: a request that arrives while the session is suspended is held,
+in order, and resumes it; once its devices are back (the same ones: its programs were compiled for
+them), the held requests are served as if they had just arrived. The client sees latency, never an
+error.
+
+Who suspends: the session's client or an operator (``Observe.ControlSessions``); the resource
+manager, through the session's allocation (``Wanted``), when a request of a higher priority waits
+for its devices (preemption), or when one waits and the session has been idle for the cluster's
+``--suspend_idle_after`` (or always, with ``--suspend_idle_always``).
+
+All of it runs on the proxy's loop and never waits there: the workers' answers and the allocation
+are awaited, and a request costs the running session one comparison and one clock read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import enum
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from pathways_nb.core.dataflow import wait_on_loop
+from pathways_nb.core.events import event
+from pathways_nb.core.retry import Retry
+from pathways_nb.protocol.errors import RequestError, as_request_error
+from pathways_nb.proxy.cluster_session import ClusterSession
+from pathways_nb.rpc import cluster_pb2 as pb
+
+if TYPE_CHECKING:
+    from pathways_nb.proxy.session import Session
+
+_LOGGER = logging.getLogger(__name__)
+
+
+class State(enum.Enum):
+    running = "running"
+    queued = "queued"  # suspended, and waiting for its devices again
+    suspending = "suspending"
+    suspended = "suspended"
+    resuming = "resuming"  # its devices are back; its arrays are moving onto them
+
+
+class Suspension:
+    """One session's state (running, suspended, ...) and the moves between them."""
+
+    def __init__(self, session: Session, devices: ClusterSession):
+        self._session = session
+        self._devices = devices
+        self.state = State.running
+        self.reason = ""
+        self.since = time.time()
+        self.last_request = time.monotonic()
+        self.suspended_bytes = 0
+        self._cause = ""  # why it was suspended and why it resumes, while it waits for its devices
+        # Requests that arrived while the session was not running, served in order once it is.
+        self._held: collections.deque = collections.deque()
+        self._move: asyncio.Task | None = None  # the suspend or resume under way
+        self._wanted = pb.Wanted()
+        allocation = devices.allocation
+        self._idle_after_s = allocation.suspend_idle_after_s
+        self._idle_always = allocation.suspend_idle_always
+        self._idle_timer: asyncio.TimerHandle | None = None
+        devices.on_wanted(self._on_wanted)
+        self._watch_idle()
+
+    @classmethod
+    def of(cls, session: Session, devices: Any) -> Suspension | None:
+        """The suspension of a session whose devices a cluster lends (None for a single-process proxy's)."""
+        return cls(session, devices) if isinstance(devices, ClusterSession) else None
+
+    # -- requests --------------------------------------------------------------------------
+
+    def holds(self, request) -> bool:
+        """Whether ``request`` waits for the session to run (then it is held, and a suspended session resumes)."""
+        self.last_request = time.monotonic()
+        if self.state is State.running:
+            return False
+        self._held.append(request)
+        if self.state is State.suspended and self._move is None:
+            self._start(self._resume("a request arrived"))
+        return True
+
+    @property
+    def idle_s(self) -> float:
+        return time.monotonic() - self.last_request
+
+    # -- moves -----------------------------------------------------------------------------
+
+    async def suspend(self, reason: str) -> None:
+        """Suspends the session (if it runs), returning once it is suspended (or moving again)."""
+        if self.state is State.running and self._move is None:
+            self._start(self._suspend(reason))
+        await self._settled()
+
+    async def resume(self, reason: str) -> None:
+        """Resumes the session (if it is suspended), returning once it runs again."""
+        if self.state is State.suspended and self._move is None:
+            self._start(self._resume(reason))
+        await self._settled()
+        if self.state is State.queued or self.state is State.resuming:
+            await self._settled()
+
+    async def _settled(self) -> None:
+        """Returns once no move is under way (a failed one is logged by ``_moved``, not raised here)."""
+        while self._move is not None:
+            await asyncio.wait({self._move})
+
+    def _start(self, move) -> None:
+        self._move = task = self._session.loop.create_task(move)
+        task.add_done_callback(self._moved)
+
+    def _moved(self, task: asyncio.Task) -> None:
+        if self._move is task:
+            self._move = None
+        if not task.cancelled() and task.exception() is not None:
+            _LOGGER.error("session %d: %s", self._session.session_id, task.exception(), exc_info=task.exception())
+        if self._session.closed:
+            return
+        if self.state is State.suspended and self._held:
+            self._start(self._resume("a request arrived"))
+
+    def _enter(self, state: State, reason: str) -> None:
+        self.state, self.reason, self.since = state, reason, time.time()
+        _LOGGER.info("session %d (%s): %s %s", self._session.session_id, self._session.tenant, state.value, reason)
+
+    async def _suspend(self, reason: str) -> None:
+        session = self._session
+        self._enter(State.suspending, reason)
+        started = time.time()
+        nbytes = sum(record.nbytes for record in session.arrays.values() if record.ready and record.error is None)
+        with session.context.activities.track("suspend", f"suspending ({reason})", session.tenant, nbytes):
+            await self._on_workers(self._devices.suspend_on_workers(), "suspending")
+        self._devices.give_back_devices()
+        self.suspended_bytes = nbytes
+        self._enter(State.suspended, reason)
+        session.events(event("suspend", f"suspended: {reason}", self._devices.device_ids, started, time.time(), nbytes))
+
+    async def _resume(self, reason: str) -> None:
+        session = self._session
+        self._cause = f"{self.reason}; resuming: {reason}"
+        self._enter(State.queued, f"{self._cause}; waiting for its devices")
+        started = time.time()
+        with session.context.activities.track("wait", "resuming: waiting for its devices", session.tenant):
+            lease = await self._devices_again()
+        if lease is None:
+            return
+        self._enter(State.resuming, reason)
+        self._devices.take_devices(lease)
+        with session.context.activities.track("resume", "resuming", session.tenant, self.suspended_bytes):
+            await self._on_workers(self._devices.resume_on_workers(), "resuming")
+        session.events(
+            event("resume", f"resumed: {reason}", self._devices.device_ids, started, time.time(), self.suspended_bytes)
+        )
+        self.suspended_bytes = 0
+        self._wanted = pb.Wanted()
+        self._enter(State.running, "")
+        self._watch_idle()
+        held, self._held = self._held, collections.deque()
+        for request in held:
+            session.handle(request)
+
+    async def _devices_again(self):
+        """The session's devices, allocated again (waiting in the queue, and for a resource manager that restarts);
+        None if they can never be (the error goes to the held requests)."""
+        session = self._session
+        retry = Retry(f"resuming session {session.session_id}")
+        while True:
+            try:
+                return await session.context.runtime.allocate(
+                    session.session_id, self._devices.allocation_request(), self._on_waiting
+                )
+            except RequestError as error:
+                try:
+                    wait_s = retry.failed(error)
+                except RequestError as permanent:  # its devices are gone for good, or it is refused
+                    self._fail_held(permanent)
+                    self._enter(State.suspended, f"cannot resume: {permanent.message}")
+                    return None
+                _LOGGER.warning("session %d: resuming: %s; trying again in %.1f s", session.session_id, error, wait_s)
+                await asyncio.sleep(wait_s)
+
+    async def _on_workers(self, asked, doing: str) -> None:
+        """Waits for each worker's answer; one that failed lost what it held, as its death would have."""
+        for link, pending in asked:
+            await wait_on_loop(pending)
+            if pending.error is not None:
+                error = as_request_error(pending.error)
+                _LOGGER.warning("session %d: %s on %s: %s", self._session.session_id, doing, link.describe(), error)
+
+    def _on_waiting(self, waiting: pb.Waiting) -> None:
+        self.reason = f"{self._cause}; {waiting.reason}"
+
+    def _fail_held(self, error: RequestError) -> None:
+        held, self._held = self._held, collections.deque()
+        for request in held:
+            self._session.reply_error(request.request_metadata.op_id, error)
+
+    # -- the resource manager's wishes and idleness --------------------------------------------
+
+    def _on_wanted(self, wanted: pb.Wanted) -> None:
+        """A waiting request wants the session's devices (or, ``by`` empty, no longer does)."""
+        self._wanted = wanted
+        if not wanted.by or self.state is not State.running or self._move is not None:
+            return
+        if wanted.preempt:
+            self._start(self._suspend(f"preempted by {wanted.by}"))
+        else:
+            self._check_idle()
+
+    def _watch_idle(self) -> None:
+        """Checks again once the session could have been idle long enough (where the cluster suspends idle ones)."""
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+        if self._idle_after_s > 0 and self.state is State.running and not self._session.closed:
+            wait_s = max(0.05, self._idle_after_s - self.idle_s)
+            self._idle_timer = self._session.loop.call_later(wait_s, self._check_idle)
+
+    def _check_idle(self) -> None:
+        self._idle_timer = None
+        if self._idle_after_s <= 0 or self.state is not State.running or self._move is not None:
+            return
+        if self._session.closed:
+            return
+        idle_s = self.idle_s
+        if idle_s >= self._idle_after_s and (self._wanted.by or self._idle_always):
+            why = f"idle for {_duration(idle_s)}" + (f" while {self._wanted.by} waited" if self._wanted.by else "")
+            self._start(self._suspend(why))
+            return
+        self._watch_idle()
+
+    # -- ending ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """The session ended: stop any move and any timer (its devices and arrays go with the session)."""
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+        if self._move is not None:
+            self._move.cancel()
+        self._held.clear()
+
+    def info(self) -> dict[str, Any]:
+        """The session's state for ``SessionInfo``."""
+        return {
+            "state": self.state.value,
+            "state_reason": self.reason,
+            "idle_s": self.idle_s,
+            "suspended_bytes": self.suspended_bytes,
+            "state_since": self.since,
+            "priority": self._devices.options.priority,  # (a single-process proxy's sessions have none)
+        }
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"

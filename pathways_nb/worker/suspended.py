@@ -1,0 +1,172 @@
+"""A suspended session's arrays in this host's memory (or on its disk), and their way back onto the devices.
+
+Suspending a session gives its devices to another (docs/design.md, "Suspending and resuming
+sessions"): each of its arrays is copied off its devices shard by shard, and its device buffers are
+freed once nothing reads them. A host keeps up to its budget of suspended bytes in memory
+(``--suspend_memory_budget``); shards beyond it are written to files under the storage root, and read
+back on resume. Resuming puts each shard back on the device it came from, with the sharding (and
+memory kind) it had, so the session's programs, compiled for those devices, run on them unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pathways_nb.core.dataflow import ArrayRecord
+
+
+class HostBudget:
+    """The bytes of suspended arrays this host keeps in memory; what does not fit goes to files under
+    ``spill_root`` (a directory per session).
+
+    ``limit`` None: no limit. Shared by the host's sessions (thread-safe: copies run on the worker's pool).
+    """
+
+    def __init__(self, limit: int | None, spill_root: Path | None = None):
+        if limit is not None and spill_root is None:
+            raise ValueError("a limited budget needs a directory to spill to")
+        self.limit = limit
+        self._spill_root = spill_root
+        self._used = 0
+        self._lock = threading.Lock()
+        self._names = itertools.count()
+
+    def take(self, nbytes: int) -> bool:
+        """Counts ``nbytes`` as kept in memory, if they fit."""
+        with self._lock:
+            if self.limit is not None and self._used + nbytes > self.limit:
+                return False
+            self._used += nbytes
+            return True
+
+    def give(self, nbytes: int) -> None:
+        with self._lock:
+            self._used -= nbytes
+
+    @property
+    def used(self) -> int:
+        return self._used
+
+    def spill_file(self, session: str) -> Path:
+        """A new file for one shard of ``session`` (its directory made when first needed)."""
+        directory = self._spill_root / session
+        directory.mkdir(parents=True, exist_ok=True)
+        return directory / f"{next(self._names)}.npy"
+
+    def forget(self, session: str) -> None:
+        """Removes the session's directory (its files went with its arrays), if it has one."""
+        if self._spill_root is not None:
+            with contextlib.suppress(OSError):
+                (self._spill_root / session).rmdir()
+
+
+class _Shard:
+    """One device buffer off its device: in memory, or in a file; shared by the copies of every array that used it
+    (an array and the single-device arrays taken apart from it share their buffers, and keep sharing them)."""
+
+    __slots__ = ("host", "nbytes", "path", "sharding", "users")
+
+    def __init__(self, data: Any, budget: HostBudget, session: str):
+        self.sharding, self.nbytes, self.users = data.sharding, data.nbytes, 0
+        if budget.take(data.nbytes):
+            # A copy, never a view: a view of a CPU buffer would keep the device memory it should free.
+            self.host, self.path = np.array(data, copy=True), None
+        else:
+            self.host, self.path = None, budget.spill_file(session)
+            np.save(self.path, np.asarray(data), allow_pickle=False)
+
+    def read(self) -> np.ndarray:
+        return self.host if self.path is None else np.load(self.path)
+
+    def release(self, budget: HostBudget) -> None:
+        """One copy less uses it: the last one frees its memory or removes its file."""
+        self.users -= 1
+        if self.users:
+            return
+        if self.path is None:
+            budget.give(self.nbytes)
+            self.host = None
+        else:
+            self.path.unlink(missing_ok=True)
+
+
+class HostCopy:
+    """One array's addressable shards off the devices, with what it takes to make the array again."""
+
+    __slots__ = ("_budget", "_deleted", "shape", "sharding", "shards")
+
+    def __init__(self, value: Any, budget: HostBudget, shards: list[_Shard]):
+        self.shape = value.shape
+        self.sharding = value.sharding
+        self._budget = budget
+        self._deleted = False
+        self.shards = shards
+        for shard in shards:
+            shard.users += 1
+
+    @property
+    def nbytes(self) -> int:
+        return sum(shard.nbytes for shard in self.shards)
+
+    @property
+    def spilled_bytes(self) -> int:
+        return sum(shard.nbytes for shard in self.shards if shard.path is not None)
+
+    # As a record's value while the session is suspended: deletable, like the device array it replaces.
+    def is_deleted(self) -> bool:
+        return self._deleted
+
+    def delete(self) -> None:
+        if self._deleted:
+            return
+        self._deleted = True
+        for shard in self.shards:
+            shard.release(self._budget)
+        self.shards = []
+
+
+def movable(record: ArrayRecord) -> bool:
+    """Whether ``record`` holds a device array to move (not a token, a host string array, a failure or a deletion)."""
+    value = record.value
+    return record.error is None and not record.is_deleted and hasattr(value, "addressable_shards")
+
+
+def to_host(records: Sequence[ArrayRecord], budget: HostBudget, session: str) -> list[HostCopy]:
+    """Host copies of ``records``' values (blocks until each is computed), one per device buffer however many
+    arrays share it; each read guards its value."""
+    buffers: dict[tuple[int, int], _Shard] = {}
+
+    def shard_of(data: Any) -> _Shard:
+        key = (next(iter(data.devices())).id, data.unsafe_buffer_pointer())
+        if key not in buffers:
+            buffers[key] = _Shard(data, budget, session)
+        return buffers[key]
+
+    def copy(value: Any) -> HostCopy:
+        return HostCopy(value, budget, [shard_of(shard.data) for shard in value.addressable_shards])
+
+    return [record.read(copy) for record in records]
+
+
+def to_devices(copies: Sequence[HostCopy]) -> list[Any]:
+    """The device arrays of ``copies`` again (blocks while they move), sharing buffers as they did."""
+    import jax
+
+    placed: dict[int, Any] = {}
+
+    def single(shard: _Shard) -> Any:
+        if id(shard) not in placed:
+            placed[id(shard)] = jax.device_put(shard.read(), shard.sharding)
+        return placed[id(shard)]
+
+    return [
+        jax.make_array_from_single_device_arrays(copy.shape, copy.sharding, [single(s) for s in copy.shards])
+        for copy in copies
+    ]
