@@ -130,3 +130,17 @@ def both(remote, local):
         assert_same(remote_result, local_result)
 
     return run
+
+
+@pytest.fixture
+def magic(monkeypatch):
+    """``%pathways`` in an IPython shell (no kernel), connected to what ``connected["session"]`` is set to."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from pathways_nb.notebook import magics
+
+    connected = {"session": None}
+    monkeypatch.setattr(pathways_nb, "current", lambda: connected["session"])
+    shell = magics.PathwaysMagics(InteractiveShell.instance())
+    shell.connected = connected
+    return shell

@@ -14,8 +14,9 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import pandas as pd
 
@@ -32,6 +33,7 @@ from pathways_nb.rpc import cluster_pb2 as pb
 _LOGGER = logging.getLogger(__name__)
 
 ADDRESS_ENV = "PATHWAYS_ADDRESS"
+T = TypeVar("T")
 
 
 def normalize_address(address: str) -> str:
@@ -67,9 +69,10 @@ def resolve_address(address: str) -> tuple[str, str | None]:
 class Session:
     """A connection to a Pathways cluster: the devices it gave this process, and views of the cluster.
 
-    ``state()``, ``device_table()``, ``islands()``, ``allocations()`` and
+    ``state()``, ``device_table()``, ``islands()``, ``allocations()``, ``sessions()``, ``status`` and
     ``timeline()`` ask the server; ``repr`` and the notebook display use what
-    was last fetched.
+    was last fetched. ``suspend()`` gives the devices back to the cluster while keeping the arrays,
+    and the next request (or ``resume()``) takes them again.
     """
 
     def __init__(
@@ -127,6 +130,48 @@ class Session:
         """Who holds which devices, and who waits."""
         return tables.allocations(self.state())
 
+    def sessions(self) -> pd.DataFrame:
+        """Every session of the cluster: its tenant, whether it runs (and if not, why), how long it has been
+        idle, its priority, devices and arrays."""
+        return tables.sessions(self.state().sessions)
+
+    @property
+    def status(self) -> str:
+        """This connection's state, asked of the server now: ``"running"``, or ``"queued"``, ``"suspending"``,
+        ``"suspended"`` or ``"resuming"`` while one of its sessions is (``sessions()`` says why)."""
+        mine = self.observer.control_sessions(pb.SessionControl.LIST, self.tenant, self.secret)
+        return next((tables.state_of(s) for s in mine if tables.state_of(s) != "running"), "running")
+
+    def suspend(self) -> pd.DataFrame:
+        """Gives this connection's devices back to the cluster, keeping its arrays and compiled programs in its
+        workers' memory; returns once that is done, with its sessions' rows (state ``suspended``).
+
+        Nothing else changes here: the arrays stay usable, and the next call that needs the devices
+        (any computation, a transfer) resumes the session transparently, as ``resume()`` does. A
+        session resumes on the devices it had, so that call may wait in the cluster's queue while
+        another tenant holds them. A cluster may also suspend a session itself, for a tenant of higher
+        priority or one that waits while the session is idle; ``sessions()`` says why. A
+        single-process ``pathways-nb proxy`` refuses: only a cluster's sessions can be suspended.
+        """
+        mine = self.observer.control_sessions(pb.SessionControl.SUSPEND, self.tenant, self.secret)
+        return tables.sessions(mine)
+
+    def resume(self, progress: bool = True) -> pd.DataFrame:
+        """Puts this connection's suspended sessions back on their devices; returns once they run, with their rows.
+
+        A session resumes on the devices it had, so this waits in the cluster's queue while another
+        tenant holds them (a progress bar says for whom, unless ``progress=False``). Running sessions
+        are left as they are.
+        """
+        mine = _showing_the_wait(
+            lambda: self.observer.control_sessions(pb.SessionControl.RESUME, self.tenant, self.secret),
+            self.address,
+            self.tenant,
+            self.token,
+            progress,
+        )
+        return tables.sessions(mine)
+
     def device_labels(self) -> list[DeviceLabel]:
         """This session's devices as timelines label them."""
         devices = tables.devices(self.state())
@@ -182,6 +227,7 @@ class Session:
             server=f"pathways-nb {state.proxy_version}" if state is not None and state.proxy_version else self.runtime,
             tenants=", ".join(tenants),
             unhealthy=", ".join(unhealthy),
+            not_running=_not_running(state),
             cluster=self._describe_cluster(state),
             note=self._note,
         )
@@ -199,6 +245,17 @@ class Session:
         if self.local_cluster is not None:
             described.append("started by this notebook (%pathways disconnect stops it)")
         return ", ".join(part for part in described if part)
+
+
+def _not_running(state: pb.ClusterState | None) -> str:
+    """The cluster's sessions that do not run, and why: ``alice #3 suspended (idle for 12 min while bob waited)``."""
+    if state is None:
+        return ""
+    return "; ".join(
+        f"{s.tenant} #{s.session_id} {tables.state_of(s)}" + (f" ({s.state_reason})" if s.state_reason else "")
+        for s in state.sessions
+        if tables.state_of(s) != "running"
+    )
 
 
 def _shape(places: list[tuple[int, int]], platform: str) -> str:
@@ -245,6 +302,7 @@ def connect(
     token: str | None = None,
     weight: float = 1.0,
     one_slice: bool = False,
+    priority: int = 0,
 ) -> Session:
     """Makes ``jax.devices()`` the devices of the cluster at ``address``.
 
@@ -259,7 +317,10 @@ def connect(
     mesh across islands comes from ``mesh_utils.create_hybrid_device_mesh`` and ``jax.make_mesh``
     refuses one; ``one_slice=True`` makes every device of slice 0 instead, so that code written for
     one slice (``jax.make_mesh`` over all devices) runs across islands unchanged (the island stays
-    in each device's ``island`` attribute). ``token`` is the cluster token its views (the observe API)
+    in each device's ``island`` attribute). ``priority`` ranks this session against other tenants' (higher
+    first, default 0, at most what the cluster allows the tenant): an exclusive session of a higher
+    priority has the sessions that hold its devices suspended (``Session.suspend``) until it is done.
+    ``token`` is the cluster token its views (the observe API)
     need; default: that of this process's ``LocalCluster`` at ``address``, else
     ``$PATHWAYS_CLUSTER_TOKEN``. Raises ``ConnectionFailed`` (JAX left on its previous
     devices) if the server does not answer, or the devices are not free,
@@ -285,6 +346,7 @@ def connect(
         secret=generate_token(),
         weight=weight,
         one_slice=one_slice,
+        priority=priority,
     )
     from pathways_nb.launch import live
 
@@ -300,7 +362,7 @@ def connect(
     jax.config.update("jax_backend_target", address)
     jax_plugin.register()
     try:
-        devices = _devices_showing_the_wait(address, options, progress, token)
+        devices = _showing_the_wait(lambda: jax.devices(jax_plugin.PLATFORM), address, options.tenant, token, progress)
     except Exception as e:  # noqa: BLE001 - JAX wraps connection errors in RuntimeError
         _restore(previous)
         raise ConnectionFailed(address, timeout_s, _reason(e)) from None
@@ -344,25 +406,24 @@ def _check_listening(address: str, timeout_s: float) -> None:
         time.sleep(wait_s)
 
 
-def _devices_showing_the_wait(address: str, options: SessionOptions, progress: bool, token: str | None) -> list:
-    """``jax.devices("proxy")``, with a progress bar if the cluster makes the session wait."""
-    import jax
-
+def _showing_the_wait(work: Callable[[], T], address: str, tenant: str, token: str | None, progress: bool) -> T:
+    """``work()`` (taking devices: a connection, a resume), with a progress bar if the cluster makes ``tenant``
+    wait for them."""
     result: dict[str, object] = {}
 
-    def connect_now() -> None:
+    def work_now() -> None:
         try:
-            result["devices"] = jax.devices(jax_plugin.PLATFORM)
+            result["done"] = work()
         except Exception as e:  # noqa: BLE001 - handed to the caller
             result["error"] = e
 
-    thread = threading.Thread(target=connect_now, name="pathways-connect", daemon=True)
+    thread = threading.Thread(target=work_now, name="pathways-wait-for-devices", daemon=True)
     thread.start()
     thread.join(1.0)
     bar = None
     try:
         while thread.is_alive():
-            reason = _queue_position(address, options.tenant, token)
+            reason = _queue_position(address, tenant, token)
             if reason and progress:
                 if bar is None:
                     from tqdm.auto import tqdm
@@ -376,7 +437,7 @@ def _devices_showing_the_wait(address: str, options: SessionOptions, progress: b
             bar.close()
     if "error" in result:
         raise result["error"]
-    return result["devices"]
+    return result["done"]
 
 
 def _queue_position(address: str, tenant: str, token: str | None) -> str | None:

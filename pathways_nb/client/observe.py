@@ -9,7 +9,7 @@ needs its token (see ``pathways_nb.core.security``).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import grpc
 
@@ -17,6 +17,13 @@ from pathways_nb.core.security import TOKEN_ENV, ClusterCredentials, token_from_
 from pathways_nb.errors import PathwaysError
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
+
+# Refusals whose details say what to do ("only a cluster's sessions can be suspended"): shown as they are.
+_IN_ITS_OWN_WORDS = (
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.INVALID_ARGUMENT,
+)
 
 
 class ObserveUnavailable(PathwaysError):
@@ -32,7 +39,7 @@ class Observer:
         self._channel = credentials.channel(address.removeprefix("grpc://"))
         self._stub = cluster_pb2_grpc.ObserveStub(self._channel)
 
-    def _call(self, method, request, timeout_s: float = 10.0):
+    def _call(self, method, request, timeout_s: float | None = 10.0):
         try:
             return method(request, timeout=timeout_s)
         except grpc.RpcError as error:
@@ -48,7 +55,7 @@ class Observer:
                     f"token, pathways_nb.connect(..., token=...) or %pathways connect ... --token, or set {TOKEN_ENV} "
                     "(pathways-nb up prints where its token is)"
                 ) from None
-            if error.code() == grpc.StatusCode.NOT_FOUND:
+            if error.code() in _IN_ITS_OWN_WORDS:
                 raise PathwaysError(error.details()) from None
             raise PathwaysError(f"the server at {self.address} did not answer: {error.details()}") from None
 
@@ -108,6 +115,20 @@ class Observer:
     def end_sessions(self, tenant: str, secret: str) -> int:
         """Ends the sessions of ``tenant`` whose connection sent ``secret``; returns how many."""
         return self._call(self._stub.EndSessions, pb.EndSessionsRequest(tenant=tenant, secret=secret)).ended
+
+    def control_sessions(
+        self, action: int, tenant: str = "", secret: str = "", session_ids: Sequence[int] = ()
+    ) -> list[pb.SessionInfo]:
+        """Does ``action`` (``pb.SessionControl.LIST``, ``SUSPEND``, ``RESUME``) to the sessions of the connection
+        ``tenant`` and ``secret`` name, or to ``session_ids`` (an operator's choice), or with neither to every
+        session (LIST only); returns their states.
+
+        A suspend or resume answers once it is done, which can take minutes (a resume waits in the
+        cluster's queue for its devices): it has no deadline.
+        """
+        request = pb.SessionControl(action=action, tenant=tenant, secret=secret, session_ids=session_ids)
+        timeout_s = 10.0 if action == pb.SessionControl.LIST else None
+        return list(self._call(self._stub.ControlSessions, request, timeout_s).sessions)
 
     def close(self) -> None:
         self._channel.close()

@@ -1,4 +1,4 @@
-"""The cluster's state as pandas DataFrames: devices, islands, allocations.
+"""The cluster's state as pandas DataFrames: devices, islands, allocations, sessions.
 
 When the server offers no observe API (Pathways on Cloud), the devices and
 islands come from ``jax.devices()``: their ``island`` attributes (a pathways-nb cluster's), else their
@@ -7,7 +7,7 @@ islands come from ``jax.devices()``: their ``island`` attributes (a pathways-nb 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import pandas as pd
 
@@ -109,3 +109,30 @@ def allocations(state: pb.ClusterState) -> pd.DataFrame:
         for q in state.queue
     ]
     return pd.DataFrame(rows + queued, columns=["tenant", "allocation", "exclusive", "devices", "age_s"])
+
+
+def state_of(session: pb.SessionInfo) -> str:
+    """``running``, ``queued``, ``suspending``, ``suspended`` or ``resuming`` (a proxy older than suspending
+    sessions says nothing: its sessions run)."""
+    return session.state or "running"
+
+
+SESSION_COLUMNS = ["id", "tenant", "state", "why", "idle_s", "priority", "devices", "arrays"]
+
+
+def sessions(infos: Iterable[pb.SessionInfo]) -> pd.DataFrame:
+    """One row per session: whose, running or not and why, how long idle, its priority, devices and arrays."""
+    rows = [
+        {
+            "id": s.session_id,
+            "tenant": s.tenant,
+            "state": state_of(s),
+            "why": s.state_reason,
+            "idle_s": round(s.idle_s, 1),
+            "priority": s.priority,
+            "devices": list(s.device_ids),
+            "arrays": s.arrays,
+        }
+        for s in infos
+    ]
+    return pd.DataFrame(rows, columns=SESSION_COLUMNS)

@@ -1,4 +1,5 @@
-"""What a client asks of the cluster when it connects: who it is, how many devices, shared or exclusive.
+"""What a client asks of the cluster when it connects: who it is, how many devices, shared or exclusive,
+how urgent.
 
 They travel in the IFRT client's ``ClientConnectionOptions.initialization_data``
 (a map of str to bytes/int/bool), which the proxy receives with the session.
@@ -22,8 +23,17 @@ TENANT, EXCLUSIVE, DEVICES, ISLANDS, TIMEOUT, SECRET, WEIGHT, ONE_SLICE = (
     "pathways_weight",
     "pathways_one_slice",
 )
+PRIORITY = "pathways_priority"
 # For plain ``JAX_PLATFORMS=proxy`` programs, which never call ``pathways_nb.connect``.
-TENANT_ENV, WEIGHT_ENV, ONE_SLICE_ENV = "PATHWAYS_TENANT", "PATHWAYS_WEIGHT", "PATHWAYS_ONE_SLICE"
+TENANT_ENV, WEIGHT_ENV, ONE_SLICE_ENV, PRIORITY_ENV = (
+    "PATHWAYS_TENANT",
+    "PATHWAYS_WEIGHT",
+    "PATHWAYS_ONE_SLICE",
+    "PATHWAYS_PRIORITY",
+)
+# A priority travels as a protobuf int32 (AllocateRequest.priority).
+_PRIORITIES = range(-(2**31), 2**31)
+_PRIORITY_RULE = f"an integer from {_PRIORITIES.start} to {_PRIORITIES.stop - 1} (higher goes first, default 0)"
 # Shared-memory uploads (jax_plugin): the client's upload directory, the secret in its ``owner``
 # file (proves the proxy sees the client's files), and ``shared_memory_key()`` of the client.
 SHARED_DIRECTORY, SHARED_SECRET, SHARED_HOST = (
@@ -102,10 +112,15 @@ class SessionOptions:
     weight: float = 1.0
     # All islands one slice (every device's slice_index 0), not a slice each as Pathways shows TPU slices.
     one_slice: bool = False
+    # Higher first: an exclusive request of a higher priority has the sessions that hold its devices
+    # suspended; the cluster caps it per tenant (--priority_ceiling).
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if not self.weight > 0:
             raise ValueError(f"weight must be a positive number, got {self.weight!r}")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int) or self.priority not in _PRIORITIES:
+            raise ValueError(f"priority must be {_PRIORITY_RULE}, got {self.priority!r}")
 
     def to_initialization_data(self) -> dict[str, bytes | bool | int]:
         return {
@@ -117,21 +132,28 @@ class SessionOptions:
             SECRET: self.secret.encode(),
             WEIGHT: repr(float(self.weight)).encode(),
             ONE_SLICE: self.one_slice,
+            PRIORITY: str(self.priority).encode(),
         }
 
     @classmethod
     def from_environment(cls) -> SessionOptions | None:
         """What a plain ``JAX_PLATFORMS=proxy`` process asks for (``PATHWAYS_TENANT``, ``PATHWAYS_WEIGHT``,
-        ``PATHWAYS_ONE_SLICE``); None if it asks for nothing."""
-        tenant, weight = os.environ.get(TENANT_ENV), os.environ.get(WEIGHT_ENV)
+        ``PATHWAYS_ONE_SLICE``, ``PATHWAYS_PRIORITY``); None if it asks for nothing."""
+        tenant, weight, priority = os.environ.get(TENANT_ENV), os.environ.get(WEIGHT_ENV), os.environ.get(PRIORITY_ENV)
         one_slice = os.environ.get(ONE_SLICE_ENV, "").strip().lower()
-        if not tenant and not weight and not one_slice:
+        if not tenant and not weight and not one_slice and not priority:
             return None
         if one_slice not in ("", "0", "1", "false", "true"):
             raise ValueError(f"{ONE_SLICE_ENV} must be 1 or 0 (true or false), got {one_slice!r}")
+        priority_value = _priority(priority or "0", PRIORITY_ENV)
         try:
             weight_value = float(weight or 1.0)
-            return cls(tenant=tenant or default_tenant(), weight=weight_value, one_slice=one_slice in ("1", "true"))
+            return cls(
+                tenant=tenant or default_tenant(),
+                weight=weight_value,
+                one_slice=one_slice in ("1", "true"),
+                priority=priority_value,
+            )
         except ValueError as e:
             raise ValueError(f"{WEIGHT_ENV} must be a positive number, got {weight!r}") from e
 
@@ -154,4 +176,16 @@ class SessionOptions:
             secret=text(SECRET, ""),
             weight=float(text(WEIGHT, "1.0")),
             one_slice=bool(attributes.get(ONE_SLICE, False)),
+            priority=_priority(text(PRIORITY, "0"), PRIORITY),
         )
+
+
+def _priority(text: str, name: str) -> int:
+    """``text`` as a priority; ``ValueError`` naming ``name`` (the variable or attribute) if it is none."""
+    try:
+        value = int(text.strip())
+    except ValueError:
+        value = None
+    if value is None or value not in _PRIORITIES:
+        raise ValueError(f"{name} must be {_PRIORITY_RULE}, got {text!r}")
+    return value

@@ -1,10 +1,11 @@
-"""The ``%pathways`` magic: connect, look at the cluster, time the steps, profile the devices.
+"""The ``%pathways`` magic: connect, look at the cluster, time the steps, profile the devices, pause.
 
     %pathways connect ADDRESS [--exclusive] [--devices N] [--only_islands 0,1] [--tenant T] [--weight W] [--one_slice]
-                              [--timeout S] [--token T]
+                              [--priority N] [--timeout S] [--token T]
         (ADDRESS: grpc://HOST:PORT, slurm://JOBID of a Slurm job's cluster, or a cluster's address file)
     %pathways connect local [--islands I] [--hosts_per_island H] [--devices_per_host D]
-    %pathways disconnect | status | devices | islands | allocations | help
+    %pathways disconnect | status | devices | islands | allocations | sessions | help
+    %pathways suspend | resume      (give your devices back, keeping your arrays; take them again)
     %pathways timeline [--live] [--last N]
     %pathways trace FILE [--last N]
     %pathways logs [--workers]
@@ -71,6 +72,9 @@ def _parser() -> _Parser:
     connect.add_argument(
         "--one_slice", action="store_true", help="all islands one slice (jax.make_mesh spans them; default: one each)"
     )
+    connect.add_argument(
+        "--priority", type=int, default=0, help="higher goes first; may suspend lower sessions (default 0)"
+    )
     connect.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the server and devices")
     connect.add_argument("--token", default=None, help="the cluster token (default: $PATHWAYS_CLUSTER_TOKEN)")
     connect.add_argument("--islands", type=int, default=2, help="local: number of islands")
@@ -82,6 +86,9 @@ def _parser() -> _Parser:
         ("devices", "the cluster's devices as a table"),
         ("islands", "the island map"),
         ("allocations", "who holds which devices"),
+        ("sessions", "every session: running or suspended, and why"),
+        ("suspend", "give your devices back to the cluster, keeping your arrays"),
+        ("resume", "take your devices again (the next computation does it too)"),
         ("help", "this help"),
     ]:
         commands.add_parser(name, add_help=False, help=text)
@@ -161,6 +168,7 @@ class PathwaysMagics(Magics):
                 token=args.token,
                 weight=args.weight,
                 one_slice=args.one_slice,
+                priority=args.priority,
             )
         except (PathwaysError, ValueError) as error:
             if cluster is not None:
@@ -207,6 +215,16 @@ class PathwaysMagics(Magics):
         from pathways_nb.notebook.widgets import AllocationTable
 
         display(AllocationTable(self._session()))
+
+    def _sessions(self, args) -> None:
+        display(self._session().sessions())
+
+    def _suspend(self, args) -> None:
+        display(self._session().suspend())
+        print("suspended: your arrays are kept; your next computation resumes the session (or %pathways resume)")
+
+    def _resume(self, args) -> None:
+        display(self._session().resume())
 
     def _timeline(self, args) -> None:
         from pathways_nb.notebook.widgets import TimelineView
