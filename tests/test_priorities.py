@@ -23,7 +23,7 @@ from pathways_nb.core.security import ClusterCredentials, generate_token
 from pathways_nb.deploy import kubernetes
 from pathways_nb.launch.local_cluster import LocalCluster
 from pathways_nb.rm import server as rm_server
-from pathways_nb.rm.allocator import Allocator, Unsatisfiable
+from pathways_nb.rm.allocator import Allocator
 from pathways_nb.rm.server import ResourceManagerServer
 from pathways_nb.rm.service import ResourceManagerService
 from pathways_nb.rm.topology import Topology
@@ -135,7 +135,7 @@ def test_shared_requests_ask_only_exclusive_holders():
     assert "asking" not in allocator.waiting(other, registry).reason
 
 
-def test_a_resuming_request_waits_for_exactly_its_devices():
+def test_a_resuming_request_waits_for_exactly_its_devices_registered():
     registry, allocator = _registry(2), Allocator()
     holder = _submit(allocator, registry, "holder", exclusive=True, n=2)
     allocator.grant(registry)
@@ -149,8 +149,15 @@ def test_a_resuming_request_waits_for_exactly_its_devices():
     allocator.release(holder)
     assert allocator.grant(registry) == [resuming]
     assert resuming.devices == (0, 1)
-    with pytest.raises(Unsatisfiable, match=r"the devices \[99\] asked for again are not in this cluster any more"):
-        _submit(allocator, registry, "gone", want=(0, 99))
+    allocator.release(resuming)
+    away = _submit(allocator, registry, "away", want=(0, 99))  # device 99's worker is not registered (now)
+    assert allocator.grant(registry) == []
+    (queued,) = allocator.queued(registry)
+    assert (
+        queued.waiting.reason
+        == "waiting for a share of the devices [0, 99] again (the worker of [99] is not registered now)"
+    )
+    assert not away.granted
 
 
 # -- over gRPC -------------------------------------------------------------------------------

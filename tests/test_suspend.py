@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -270,3 +272,22 @@ def test_a_refusal_reaches_the_magic_in_one_line(suspending_cluster, magic):
     magic.connected["session"].secret = "not a secret anyone sent"
     with pytest.raises(UsageError, match=r"^no session of tenant 'ghost' with that secret is open here$"):
         magic.pathways("suspend")
+
+
+def test_a_suspended_session_outlives_a_restart_of_the_resource_manager(suspending_cluster, operator):
+    """Suspended, a session holds no allocation: the resource manager dies and comes back, its workers register
+    again, and the session's next request resumes it on its devices with its array intact."""
+    with _ended_at_the_end() as processes:
+        client = _client(suspending_cluster, "holds_a_session.py", "phoenix")
+        processes.append(client)
+        _line(client)
+        (session,) = [s for s in operator.state().sessions if s.tenant == "phoenix"]
+        (suspended,) = operator.control_sessions(pb.SessionControl.SUSPEND, session_ids=[session.session_id])
+        assert suspended.state == "suspended"
+        rm = suspending_cluster.resource_manager
+        rm_pid = rm.process.pid
+        os.kill(rm_pid, signal.SIGKILL)
+        wait_until(lambda: rm.alive() and rm.process.pid != rm_pid, 30, "the resource manager restarted")
+        _tell(client, "check")  # resumes it: asks the new resource manager for its devices
+        assert _line(client) == "intact"
+        assert _session_of(operator, "phoenix").state == "running"

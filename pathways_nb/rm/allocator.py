@@ -191,12 +191,7 @@ class Allocator:
 
     def check(self, ticket: Ticket, registry: Registry) -> None:
         """Raises ``Unsatisfiable`` if the request could never be granted on the registry's devices."""
-        if ticket.want:
-            gone = [device for device in ticket.want if registry.device(device) is None]
-            if gone:
-                raise Unsatisfiable(
-                    f"the devices {gone} asked for again are not in this cluster any more (their worker is gone)"
-                )
+        if ticket.want:  # devices it had: their worker may be away a while (restarting), and it waits for them
             return
         pool = registry.device_ids(ticket.islands)
         if ticket.islands:
@@ -217,6 +212,9 @@ class Allocator:
         kind = "exclusive use of" if ticket.exclusive else "a share of"
         if ticket.want:
             what = f"the devices {list(ticket.want)} again"
+            away = [device for device in ticket.want if registry.device(device) is None]
+            if away:
+                what += f" (the worker of {away} is not registered now)"
         else:
             what = f"{ticket.num_devices or len(self._pool(ticket, registry))} devices" + (
                 f" on islands {list(ticket.islands)}" if ticket.islands else ""
@@ -239,8 +237,10 @@ class Allocator:
 
     @staticmethod
     def _pool(ticket: Ticket, registry: Registry) -> list[int]:
-        """The devices a request may be granted, sorted."""
-        return list(ticket.want) if ticket.want else registry.device_ids(ticket.islands)
+        """The devices a request may be granted, sorted (of those it wants again, the registered ones)."""
+        if ticket.want:
+            return [device for device in ticket.want if registry.device(device) is not None]
+        return registry.device_ids(ticket.islands)
 
     @staticmethod
     def _wanted_devices(ticket: Ticket, pool: list[int]) -> list[int]:
