@@ -3,7 +3,8 @@
 The notebook connects, runs a jitted loop on two islands, and shows the
 island map and the live timeline; the test checks the rendered widgets (one
 element per device, timeline bars for each device) and saves screenshots to
-test-artifacts/.
+test-artifacts/. Another profiles a loop; another has its session preempted
+and shows the island map with it suspended.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import contextlib
 import json
 import os
 import pathlib
+import re
 import shutil
 import socket
 import subprocess
@@ -98,13 +100,17 @@ def _browser_page():
             browser.close()
 
 
-def _pathways_notebook(address: str, token: str, tenant: str, *cells: str) -> nbformat.NotebookNode:
-    """A notebook on the Pathways kernel that connects to ``address`` as ``tenant``, then runs ``cells``."""
+def _kernel_notebook(*cells: str) -> nbformat.NotebookNode:
+    """A notebook on the Pathways kernel of ``cells``."""
     notebook = nbformat.v4.new_notebook()
     notebook.metadata["kernelspec"] = {"name": "pathways", "display_name": "Python 3 (Pathways)", "language": "python"}
-    connect = f"%pathways connect {address} --tenant {tenant} --token {token}"
-    notebook.cells = [nbformat.v4.new_code_cell(source) for source in (connect, *cells)]
+    notebook.cells = [nbformat.v4.new_code_cell(source) for source in cells]
     return notebook
+
+
+def _pathways_notebook(address: str, token: str, tenant: str, *cells: str) -> nbformat.NotebookNode:
+    """A notebook on the Pathways kernel that connects to ``address`` as ``tenant``, then runs ``cells``."""
+    return _kernel_notebook(f"%pathways connect {address} --tenant {tenant} --token {token}", *cells)
 
 
 def _notebook(address: str, token: str) -> nbformat.NotebookNode:
@@ -139,7 +145,7 @@ def test_notebook_in_jupyterlab_shows_the_widgets(lab, cluster):
 def _open_and_run_all(page, url: str, name: str = "pathways.ipynb") -> None:
     """Opens the notebook ``name`` and starts running every cell, once its kernel is up."""
     page.goto(f"{url}/lab/tree/{name}")
-    page.wait_for_selector(".jp-Notebook", timeout=60_000)
+    page.wait_for_selector(".jp-Notebook:visible", timeout=60_000)  # (tabs restored from earlier tests are hidden)
     # Run only once this notebook is the current tab (JupyterLab restores the tabs of the last test
     # first; run-all went to the previous notebook once) and its own kernel is up: running earlier
     # makes JupyterLab ask for a kernel.
@@ -219,3 +225,52 @@ def test_device_timeline_of_a_profile_in_jupyterlab(lab, cluster):
         assert devices == ["0", "4"], devices
         timeline.screenshot(path=str(ARTIFACTS / "device-timeline.png"))
         page.screenshot(path=str(ARTIFACTS / "profile-notebook.png"), full_page=True)
+
+
+# A tenant of priority 10 that takes island 1 to itself until its stdin closes.
+BOSS = """
+import sys, pathways_nb
+pathways_nb.connect(sys.argv[1], tenant="boss", islands=[1], exclusive=True, priority=10, progress=False)
+print("connected", flush=True)
+sys.stdin.read()
+"""
+
+
+def _preempted_notebook() -> nbformat.NotebookNode:
+    """alice shares a cluster of its own (two islands of two devices); boss preempts her for island 1."""
+    return _kernel_notebook(
+        "%pathways connect local --islands 2 --devices_per_host 2 --tenant alice",
+        (
+            "import os, subprocess, sys, pathways_nb\n"
+            "session = pathways_nb.current()\n"
+            "environment = {k: v for k, v in os.environ.items() if not k.startswith('JAX_')}\n"
+            f"boss = subprocess.Popen([sys.executable, '-c', {BOSS!r}, session.address], stdin=subprocess.PIPE,\n"
+            "                        stdout=subprocess.PIPE, text=True, env=environment)\n"
+            "print('boss', boss.stdout.readline().strip() + ';', 'alice', session.status)"
+        ),
+        "%pathways islands",
+        "boss.stdin.close(); boss.wait(60)\n%pathways disconnect",
+    )
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (make test installs it)")
+def test_island_map_of_a_preempted_session_in_jupyterlab(lab):
+    """The devices a suspended session resumes on are hatched in its tenant's colour: island 0's (free now) all
+    over, island 1's (boss holds them) along their foot; the legend and a line below the map say whose, and why."""
+    url, root = lab
+    nbformat.write(_preempted_notebook(), root / "preempted.ipynb")
+    with _browser_page() as page:
+        _open_and_run_all(page, url, "preempted.ipynb")
+        page.wait_for_selector("text=boss connected; alice suspended", timeout=180_000)
+        island_map = page.locator(".pw-island-map")
+        island_map.wait_for(timeout=60_000)
+        hatched = page.locator(".pw-island-map .pw-device.pw-suspended")
+        assert [hatched.nth(i).get_attribute("title").split(" · ")[-1] for i in range(hatched.count())] == [
+            *["free; alice suspended, resumes here"] * 2,
+            *["held by boss (exclusive); alice suspended, resumes here"] * 2,
+        ]
+        assert "alice (suspended)" in island_map.locator(".pw-legend").inner_text()
+        why = island_map.locator(".pw-not-running").inner_text()
+        assert re.fullmatch(r"alice #\d+ suspended \(preempted by tenant boss \(priority 10, exclusive\)\)", why)
+        island_map.screenshot(path=str(ARTIFACTS / "island-map-suspended.png"))
+        page.wait_for_selector("text=disconnected from", timeout=120_000)

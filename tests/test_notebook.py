@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import re
@@ -10,6 +11,8 @@ import pytest
 
 import pathways_nb
 from pathways_nb.client import timeline
+from pathways_nb.notebook import progress
+from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.testing import KernelSession, wait_until
 
 
@@ -200,3 +203,82 @@ def test_load_ext_in_a_plain_ipython_kernel(proxy_server):
         assert "cpu:3" in out["data"][-1]["text/plain"]
     finally:
         session.close()
+
+
+def _bar_texts(kernel) -> list[str]:
+    """What the progress bars the kernel drew said (tqdm's HTML, its spaces figure spaces)."""
+    values = [str(state.get("value", "")) for state in kernel.widgets.values()]
+    return [html.unescape(value).replace("\u2007", " ") for value in values]
+
+
+def test_a_suspended_session_shows_in_every_view(kernel, cluster, tmp_path):
+    """A session suspended by its client: a bar while it suspends; the session's "not running" row, the allocation
+    table's row and the island map's hatched devices while it is; resumed by its next step, a marked span on its
+    timeline and in its trace, which count its steps as before."""
+    out = kernel.run(f"%pathways connect {cluster.address} --tenant pausing --only_islands 1 --token {cluster.token}")
+    assert not out["errors"], out
+    out = kernel.run(
+        "import jax, numpy as np, pathways_nb\n"
+        "session = pathways_nb.current()\n"
+        "monitor = get_ipython().magics_manager.registry['PathwaysMagics'].monitor\n"
+        "monitor.after_s, monitor.interval_s = 0.0, 0.02  # a bar for every move, however short\n"
+        "step = jax.jit(lambda x: x * 0.5 + 1)\n"
+        "x = jax.device_put(np.ones(32 << 20, np.float32), jax.devices()[0])  # 134MB: it takes a while to suspend\n"
+        "for _ in range(3):\n"
+        "    x = step(x)\n"
+        "x.block_until_ready()"
+    )
+    assert not out["errors"], out
+    out = kernel.run("session.suspend()")
+    assert not out["errors"], out
+    assert any(re.search(r"^suspending pausing's session \(by its client\), \d+MB \(", t) for t in _bar_texts(kernel))
+
+    (row,) = re.findall(
+        r"<th[^>]*>not running</th><td[^>]*>(.*?)</td>", kernel.run("%pathways status")["data"][-1]["text/html"]
+    )
+    assert re.search(r"<div>pausing #\d+ suspended \(by its client\)</div>", row), row  # (a line a session)
+    (model,) = kernel.run("%pathways allocations")["widgets"]
+    table = kernel.widget_state(model)["value"]
+    assert re.search(r"<td>pausing</td>\s*<td>suspended</td>\s*<td>suspended</td>\s*<td>by its client</td>", table)
+    (model,) = kernel.run("%pathways islands")["widgets"]
+    island_map = kernel.widget_state(model)["value"]
+    tile = r'class="pw-device[^"]* pw-suspended[^"]*" data-device="(\d+)"[^>]*title="[^"]*; ([^";]*)"'
+    hatched = [device for device, said in re.findall(tile, island_map) if said == "pausing suspended, resumes here"]
+    assert hatched == ["4", "5", "6", "7"], island_map
+    assert "pausing (suspended)" in island_map
+
+    out = kernel.run("for _ in range(3):\n    x = step(x)\nprint(float(x[0]), session.status)")
+    assert out["stdout"].split() == ["1.984375", "running"], out  # (x = 2 - 0.5**6 after 6 steps: none lost)
+    (model,) = kernel.run("%pathways timeline")["widgets"]
+    svg = kernel.widget_state(model)["value"]
+    spans = re.findall(
+        r'class="pw-suspension" data-device="(\d+)"[^>]*><title>suspended for [^:]+: ([^<]*)</title>', svg
+    )
+    assert spans == [(str(d), "by its client; resumed: a request arrived") for d in range(4, 8)], spans
+    assert "6 step(s) of jit__lambda" in svg  # (the suspend and the resume are no steps)
+    path = tmp_path / "trace.json"
+    kernel.run(f"%pathways trace {path}")
+    spans = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("cat") == "suspension"]
+    assert sorted(e["tid"] for e in spans) == [4, 5, 6, 7]
+    assert all(e["name"] == "suspension: by its client" and e["dur"] > 0 for e in spans)
+    out = kernel.run("print(*[t.get_text() for t in session.timeline().plot().axes[0].get_legend().get_texts()])")
+    assert {"suspend", "resume", "suspended"} <= set(out["stdout"].split()), out
+    kernel.run("%pathways disconnect")
+
+
+def test_progress_bars_say_whose_session_moves_and_why():
+    """The bars' words for the proxy's suspend, resume and wait activities (named as the proxy names them), and
+    which bars a tenant sees: its own, and the suspensions it caused (of those holding devices it waits for)."""
+    why = "preempted by tenant boss (priority 10, exclusive)"
+    suspend = pb.Activity(kind="suspend", name=f"suspending ({why})", tenant="alice", bytes_total=268435456)
+    resume = pb.Activity(kind="resume", name="resuming", tenant="alice", bytes_total=268435456)
+    wait = pb.Activity(kind="wait", name="resuming: waiting for its devices", tenant="alice")
+    assert progress.describe(suspend) == f"suspending alice's session ({why}), 268MB"
+    assert progress.describe(resume) == "resuming alice's session, 268MB"
+    assert progress.describe(wait) == "wait: resuming: waiting for its devices"
+    compiling = pb.Activity(kind="compile", name="jit_step", tenant="carol")
+    boss = pb.QueuedRequest(tenant="boss", waiting=pb.Waiting(holders=["alice (shared)", "carol (shared)"]))
+    state = pb.ClusterState(activities=[suspend, resume, wait, compiling], queue=[boss])
+    assert progress.shown(state, "boss") == [suspend]
+    assert progress.shown(state, "alice") == [suspend, resume, wait]
+    assert progress.shown(state, "carol") == [compiling]

@@ -42,6 +42,11 @@ def _outputs(cell) -> str:
     return "".join(parts)
 
 
+def _html(cell) -> list[str]:
+    """The HTML a code cell showed (reprs that have one: DataFrames, timelines, profiles)."""
+    return [o["data"]["text/html"] for o in cell.get("outputs", []) if "text/html" in o.get("data", {})]
+
+
 def _widget_html(notebook, cell) -> list[str]:
     """The HTML of the views (HTML widgets) a cell displayed, from the widget state nbclient saved.
 
@@ -96,7 +101,7 @@ def test_pipeline_overlaps_the_two_stages(kernel_installed):
     assert any("image/png" in o.get("data", {}) for o in analysis.outputs), "no matplotlib timeline"
 
 
-def test_sharing_shows_tenants_the_queue_and_skips_weights(kernel_installed):
+def test_sharing_shows_tenants_the_queue_weights_and_a_preempted_session(kernel_installed):
     notebook, cells = _execute("sharing")
     assert "bob: connected" in _outputs(_cell(cells, "bob = tenant("))
     (shared_map,) = _widget_html(notebook, _cell(cells, "bob = tenant("))
@@ -110,6 +115,26 @@ def test_sharing_shows_tenants_the_queue_and_skips_weights(kernel_installed):
     assert "held by carol (exclusive)" in island_map
     weights = _outputs(_cell(cells, "dave = tenant("))
     assert "dave: connected" in weights
+    # erin (priority 10) takes island 0: alice's session is suspended, seen in each view, and resumes by itself.
+    preempted = _cell(cells, "import jax")
+    assert "erin: connected\nalice: suspended\n" in _outputs(preempted), _outputs(preempted)
+    why = "preempted by tenant erin (priority 10, exclusive)"
+    (sessions,) = _html(preempted)
+    assert re.search(rf"<td>alice</td>\s*<td>suspended</td>\s*<td>{re.escape(why)}</td>", sessions), sessions
+    table, island_map = _widget_html(notebook, _cell(cells, "display(AllocationTable"))
+    assert re.search(rf"<td>alice</td>\s*<td>suspended</td>\s*<td>suspended</td>\s*<td>{re.escape(why)}</td>", table)
+    suspended_tiles = re.findall(
+        r'class="pw-device pw-suspended[^"]*" data-device="(\d+)"[^>]*title="([^"]*)"', island_map
+    )
+    assert [device for device, _ in suspended_tiles] == ["0", "1"], suspended_tiles
+    assert all("held by erin (exclusive); alice suspended, resumes here" in title for _, title in suspended_tiles)
+    assert "alice (suspended)" in island_map and f"suspended ({why})" in island_map
+    resumed = _cell(cells, "leave(erin)")
+    assert "x[-1] = 999999.0 alice: running" in _outputs(resumed)
+    (timeline,) = _html(resumed)
+    assert set(re.findall(r'class="pw-suspension" data-device="(\d+)"', timeline)) == {"0", "1"}
+    assert f"{why}; resumed: a request arrived" in timeline
+    assert re.search(r'class="pw-break-length"[^>]*>suspended: [\d.]+ m?s<', timeline)  # (erin's start is long)
 
 
 def test_multihost_runs_one_program_across_both_hosts(kernel_installed):
@@ -177,7 +202,7 @@ def test_profiling_finds_the_slowest_op_on_both_islands(kernel_installed):
     notebook, cells = _execute("profiling")
     profiled = _cell(cells, "%%pathways profile")
     assert "trace files in" in _outputs(profiled) and "xprof --logdir" in _outputs(profiled)
-    html = next(o["data"]["text/html"] for o in profiled.outputs if "text/html" in o.get("data", {}))
+    html = _html(profiled)[0]
     assert {"0", "2"} <= set(re.findall(r'class="pw-bar pw-op" data-device="(\d+)"', html)), "ops of both islands"
     assert re.search(r"slowest op: \S+ in jit_train_step: [\d.]+ ms in all", _outputs(_cell(cells, "top = ")))
     (svg,) = _widget_html(notebook, _cell(cells, "%pathways timeline"))

@@ -127,7 +127,7 @@ class Session:
         return tables.islands(self.device_table())
 
     def allocations(self) -> pd.DataFrame:
-        """Who holds which devices, and who waits."""
+        """Who holds which devices, who waits, and which sessions are suspended: each with its state and why."""
         return tables.allocations(self.state())
 
     def sessions(self) -> pd.DataFrame:
@@ -227,7 +227,7 @@ class Session:
             server=f"pathways-nb {state.proxy_version}" if state is not None and state.proxy_version else self.runtime,
             tenants=", ".join(tenants),
             unhealthy=", ".join(unhealthy),
-            not_running=_not_running(state),
+            not_running=tables.not_running(state),
             cluster=self._describe_cluster(state),
             note=self._note,
         )
@@ -245,17 +245,6 @@ class Session:
         if self.local_cluster is not None:
             described.append("started by this notebook (%pathways disconnect stops it)")
         return ", ".join(part for part in described if part)
-
-
-def _not_running(state: pb.ClusterState | None) -> str:
-    """The cluster's sessions that do not run, and why: ``alice #3 suspended (idle for 12 min while bob waited)``."""
-    if state is None:
-        return ""
-    return "; ".join(
-        f"{s.tenant} #{s.session_id} {tables.state_of(s)}" + (f" ({s.state_reason})" if s.state_reason else "")
-        for s in state.sessions
-        if tables.state_of(s) != "running"
-    )
 
 
 def _shape(places: list[tuple[int, int]], platform: str) -> str:

@@ -13,6 +13,12 @@ compile of it there (a warm-up, which can take long too) do not set the scale: a
 stretch with only those, or nothing, many times longer than what the devices did
 otherwise is drawn as a narrow break labelled with its length; the one before the
 steps that holds their program's first compile is marked "first step + compile".
+
+A suspended session (``Session.suspend``, or the cluster's preemption) is off its
+devices from its suspend's start to the end of the resume after it: ``suspensions()``
+pairs the two events, ``svg()`` hatches that stretch on the session's devices and marks
+the break that holds it "suspended", ``plot()`` hatches it, and ``chrome_trace()`` adds
+it as a span around the two. Neither sets the scale, and neither is a step.
 """
 
 from __future__ import annotations
@@ -40,17 +46,21 @@ COLORS = {
     # Device spans from a profile (``client.device_trace``): a program's run, and the XLA ops inside it.
     "program": "#72b7b2",
     "op": "#e45756",
+    # A session's arrays moving off its devices (it gives them back) and onto them again.
+    "suspend": "#393b79",
+    "resume": "#9c9ede",
 }
+SUSPENDED = "#c6c7e8"  # the stripes of a stretch off the devices
 COLUMNS = ["kind", "name", "device", "island", "start", "end", "duration_ms", "bytes", "failed", "tenant"]
 # Kinds drawn without setting the axis's scale: where only they happen, for long enough, the axis breaks.
-UNSCALED_KINDS = frozenset({"compile", "wait"})
+UNSCALED_KINDS = frozenset({"compile", "wait", "suspend", "resume"})
 # A stretch without scaled work breaks the axis if it is this many times the typical burst of work or the
 # typical time from one step to the next (and at least BREAK_MIN_S): compiles (100 ms to seconds) break,
 # the gaps between a loop's steps do not.
 BREAK_FACTOR = 5.0
 BREAK_MIN_S = 1e-3
 BREAK_WIDTH_PX = 28
-FIRST_STEP_WIDTH_PX = 48
+FIRST_STEP_WIDTH_PX = 48  # also a break that holds a suspension: both are labelled
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,22 @@ class DeviceLabel:
     id: int
     name: str  # "cpu:4"
     island: int
+
+
+@dataclass(frozen=True)
+class Suspension:
+    """A stretch a session spent off its devices: from its suspend's start to the end of the resume after it, or
+    to the timeline's end while it is still suspended (``resumed`` empty)."""
+
+    start: float
+    end: float
+    device_ids: tuple[int, ...]
+    reason: str  # why it was suspended: "preempted by boss (priority 10, exclusive)"
+    resumed: str  # why it resumed: "a request arrived"; "" while still suspended
+
+    def describe(self) -> str:
+        resumed = f"; resumed: {self.resumed}" if self.resumed else "; still suspended"
+        return f"suspended for {_duration(self.end - self.start)}: {self.reason}{resumed}"
 
 
 class Timeline:
@@ -123,6 +149,29 @@ class Timeline:
                 compiled.difference_update(e.device_ids)
         return warm
 
+    def suspensions(self) -> list[Suspension]:
+        """Each suspend event with the resume after it on the same devices (the proxy's ``suspended: REASON`` and
+        ``resumed: REASON``)."""
+        end = max((e.end for e in self.events), default=0.0)
+        resumes = [e for e in self.events if e.kind == "resume"]
+        stretches = []
+        for e in self.events:
+            if e.kind != "suspend":
+                continue
+            resume = next((r for r in resumes if r.start >= e.start and set(r.device_ids) & set(e.device_ids)), None)
+            if resume is not None:
+                resumes.remove(resume)
+            stretches.append(
+                Suspension(
+                    e.start,
+                    resume.end if resume is not None else end,
+                    tuple(e.device_ids),
+                    e.name.removeprefix("suspended: "),
+                    resume.name.removeprefix("resumed: ") if resume is not None else "",
+                )
+            )
+        return stretches
+
     def last(self, steps: int) -> Timeline:
         """Only what happened during the last ``steps`` steps."""
         starts = self.steps()
@@ -162,6 +211,21 @@ class Timeline:
                         "args": {"kind": e.kind, "bytes": e.bytes, "failed": e.failed, "tenant": e.tenant},
                     }
                 )
+        # Each suspension as a span around its suspend and resume (Perfetto draws them nested on the track).
+        for stretch in self.suspensions():
+            for device in stretch.device_ids:
+                trace.append(
+                    {
+                        "ph": "X",
+                        "name": f"suspension: {stretch.reason}",
+                        "cat": "suspension",
+                        "pid": self._island.get(device, -1),
+                        "tid": device,
+                        "ts": stretch.start * 1e6,
+                        "dur": max(0.0, stretch.end - stretch.start) * 1e6,
+                        "args": {"resumed": stretch.resumed or "not yet"},
+                    }
+                )
         return {"traceEvents": trace, "displayTimeUnit": "ms"}
 
     def save_trace(self, path: str) -> str:
@@ -183,8 +247,10 @@ class Timeline:
         drawn = [e for e in self.events if e.device_ids]
         steps = self.steps()
         warm = self._warmups()
+        suspensions = self.suspensions()
+        off = [(stretch.start, stretch.end) for stretch in suspensions]
         scaled = [e for e in drawn if e.kind not in UNSCALED_KINDS and id(e) not in warm]
-        axis = _Axis.of(drawn, scaled, label_width, plot_width, steps, breaks)
+        axis = _Axis.of(drawn, scaled, label_width, plot_width, steps, breaks, off)
         x = axis.x
         # The break before everything that sets the scale, if it holds the step program's first compile.
         lead = axis.breaks[0] if axis.breaks and axis.breaks[0][0] == axis.begin else None
@@ -194,9 +260,11 @@ class Timeline:
 
         parts = [
             f'<svg class="pw-timeline" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-            'font-family="sans-serif" font-size="11">'
+            'font-family="sans-serif" font-size="11"><defs><pattern id="pw-suspended" width="6" height="6" '
+            f'patternUnits="userSpaceOnUse" patternTransform="rotate(45)"><rect width="3" height="6" '
+            f'fill="{SUSPENDED}"/></pattern></defs>'
         ]
-        parts += _breaks_drawn(axis, drawn, top, rows_bottom, width, first_step)
+        parts += _breaks_drawn(axis, drawn, top, rows_bottom, width, first_step, off)
         for device in self.devices:
             y = top + rows[device.id] * row_height
             parts.append(
@@ -204,6 +272,16 @@ class Timeline:
                 f'<line x1="{label_width}" y1="{y + row_height:.1f}" x2="{width - 10}" y2="{y + row_height:.1f}" '
                 'stroke="#eee"/>'
             )
+        for stretch in suspensions:
+            left, stretch_width = x(stretch.start), max(1.0, x(stretch.end) - x(stretch.start))
+            for device in stretch.device_ids:
+                if device in rows:
+                    parts.append(
+                        f'<rect class="pw-suspension" data-device="{device}" x="{left:.1f}" '
+                        f'y="{top + rows[device] * row_height + 1}" width="{stretch_width:.1f}" '
+                        f'height="{row_height - 2}" fill="url(#pw-suspended)" stroke="{SUSPENDED}">'
+                        f"<title>{html.escape(stretch.describe())}</title></rect>"
+                    )
         for start in steps:
             parts.append(
                 f'<line class="pw-step" x1="{x(start):.1f}" y1="{top - 4}" x2="{x(start):.1f}" y2="{rows_bottom + 4}" '
@@ -227,12 +305,12 @@ class Timeline:
                     f"<title>{html.escape(title)}</title></rect>"
                 )
         legend_x = label_width
-        for kind, color in COLORS.items():
+        for kind, fill in [*COLORS.items(), ("suspended", "url(#pw-suspended)")]:
             parts.append(
-                f'<rect x="{legend_x}" y="6" width="10" height="10" fill="{color}"/>'
+                f'<rect x="{legend_x}" y="6" width="10" height="10" fill="{fill}"/>'
                 f'<text x="{legend_x + 14}" y="15">{kind}</text>'
             )
-            legend_x += 80
+            legend_x += 24 + 6 * len(kind)  # (about 6 px a letter)
         broken = sum(end - start for start, end in axis.breaks)
         narrow = f" ({_duration(broken)} of it drawn narrow, in grey)" if axis.breaks else ""
         parts.append(
@@ -247,10 +325,23 @@ class Timeline:
     def plot(self):
         """The timeline as a matplotlib figure (for papers and reports)."""
         import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
 
         figure, axes = plt.subplots(figsize=(10, 0.4 * max(2, len(self.devices)) + 1))
         rows = {d.id: i for i, d in enumerate(self.devices)}
         begin = min((e.start for e in self.events), default=0.0)
+        for stretch in self.suspensions():
+            for device in stretch.device_ids:
+                if device in rows:
+                    axes.barh(
+                        rows[device],
+                        (stretch.end - stretch.start) * 1e3,
+                        left=(stretch.start - begin) * 1e3,
+                        color="none",
+                        edgecolor=SUSPENDED,
+                        hatch="//",
+                        height=0.9,
+                    )
         for e in self.events:
             for device in e.device_ids:
                 if device in rows:
@@ -263,6 +354,12 @@ class Timeline:
                     )
         for start in self.steps():
             axes.axvline((start - begin) * 1e3, color="#888", linestyle="--", linewidth=0.8)
+        kinds = {e.kind for e in self.events if e.device_ids}
+        handles = [Patch(color=color, label=kind) for kind, color in COLORS.items() if kind in kinds]
+        if "suspend" in kinds:
+            handles.append(Patch(facecolor="none", edgecolor=SUSPENDED, hatch="//", label="suspended"))
+        if handles:
+            axes.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
         axes.set_yticks(range(len(self.devices)), [d.name for d in self.devices])
         axes.set_xlabel("ms")
         axes.invert_yaxis()
@@ -277,28 +374,46 @@ class Timeline:
 
 
 def _breaks_drawn(
-    axis: _Axis, drawn: Sequence[pb.Event], top: float, bottom: float, width: float, first_step: bool
+    axis: _Axis,
+    drawn: Sequence[pb.Event],
+    top: float,
+    bottom: float,
+    width: float,
+    first_step: bool,
+    off: Sequence[tuple[float, float]] = (),
 ) -> list[str]:
     """The axis's breaks: grey bands with a cut mark, each labelled with its length where there is room; the
-    first, with ``first_step``, marked as the first step's (and its compile's)."""
+    first, with ``first_step``, marked as the first step's (and its compile's); one that holds stretches ``off``
+    the devices (suspensions), marked with how long of it the session was suspended."""
     parts = []
     labels_end = 0.0  # where the last label drawn ends: the next one must not overlap it
     for index, (start, end) in enumerate(axis.breaks):
         left, right = axis.x(start), axis.x(end)
         first_step = first_step and index == 0
+        suspended = sum(max(0.0, min(end, b) - max(start, a)) for a, b in off)
         during = sorted({e.kind for e in drawn if e.start < end and e.end > start}) or ["idle"]
         what = "until the step program's first step was done, with its compile" if first_step else "drawn narrow"
         title = f"{_duration(end - start)} {what}: {', '.join(during)}"
+        mark = " pw-first-step" if first_step else " pw-suspended" if suspended else ""
         parts.append(
-            f'<rect class="pw-break{" pw-first-step" if first_step else ""}" x="{left:.1f}" y="{top - 4}" '
+            f'<rect class="pw-break{mark}" x="{left:.1f}" y="{top - 4}" '
             f'width="{right - left:.1f}" height="{bottom - top + 8}" fill="#f2f2f2">'
             f"<title>{html.escape(title)}</title></rect>"
             f'<path d="M{left:.1f},{bottom + 4} l4,-8 M{right - 4:.1f},{bottom + 4} l4,-8" stroke="#999"/>'
         )
-        label = f"first step + compile: {_duration(end - start)}" if first_step else _duration(end - start)
+        if first_step:
+            label = f"first step + compile: {_duration(end - start)}"
+        else:
+            label = f"suspended: {_duration(suspended)}" if suspended else _duration(end - start)
         label_width = 5 * len(label)  # about, at 9 px
-        at = left if first_step else max((left + right - label_width) / 2, labels_end + 6)
-        if not first_step and (at + label_width > min(right + 30, width)):
+        # A marked break's label starts at its left edge (or ends at the drawing's); another's is centred under it.
+        if first_step:
+            at = left
+        elif suspended:
+            at = max(min(left, width - label_width), labels_end + 6)
+        else:
+            at = max((left + right - label_width) / 2, labels_end + 6)
+        if not first_step and at + label_width > (width if suspended else min(right + 30, width)):
             continue  # no room for it (crowded, narrow breaks): its band's title says
         labels_end = at + label_width
         parts.append(
@@ -329,9 +444,11 @@ class _Axis:
         width: float,
         steps: Sequence[float] = (),
         breaks: bool = True,
+        wide: Sequence[tuple[float, float]] = (),
     ) -> _Axis:
         """The axis for ``events`` drawn ``width`` pixels wide from ``left``: with ``breaks``, the long stretches
-        that none of ``scaled`` covers are breaks (the first, before the steps, a little wider)."""
+        that none of ``scaled`` covers are breaks (the first, before the steps, and those that overlap a stretch
+        of ``wide``, a little wider: they are labelled)."""
         begin = min((e.start for e in events), default=0.0)
         finish = max((e.end for e in events), default=begin + 1e-3)
         bursts = _bursts(scaled) if breaks else []
@@ -344,7 +461,10 @@ class _Axis:
             edges = [begin, *(t for burst in bursts for t in burst), finish]
             gaps = zip(edges[::2], edges[1::2], strict=True)
             broken = [(start, end) for start, end in gaps if end - start > threshold]
-        widths = [FIRST_STEP_WIDTH_PX if start == begin else BREAK_WIDTH_PX for start, _end in broken]
+        widths = [
+            FIRST_STEP_WIDTH_PX if start == begin or any(a < end and b > start for a, b in wide) else BREAK_WIDTH_PX
+            for start, end in broken
+        ]
         shrink = min(1.0, 0.4 * width / sum(widths)) if widths else 1.0  # breaks take at most 40% of the width
         scale = (width - shrink * sum(widths)) / max(finish - begin - sum(b - a for a, b in broken), 1e-6)
         pieces, t, x = [], begin, left

@@ -1,9 +1,11 @@
-"""Progress bars for long operations while a cell runs: compiles, large transfers, waiting for devices.
+"""Progress bars for long operations while a cell runs: compiles, large transfers, waiting for devices,
+suspending and resuming sessions.
 
 The stock client cannot report progress, but the proxy knows what is under way
 (``ClusterState.activities``). While a cell runs, the monitor asks twice a
 second and shows a tqdm bar for each of this session's activities that has
-lasted more than a second; transfers show bytes.
+lasted more than a second, and for the suspension of each session whose devices
+this session waits for (a preemption it caused); transfers show bytes.
 """
 
 from __future__ import annotations
@@ -14,6 +16,38 @@ import time
 from tqdm.auto import tqdm
 
 from pathways_nb.errors import PathwaysError
+from pathways_nb.rpc import cluster_pb2 as pb
+
+# Moves whose bytes the proxy knows but not how far they are: their bars count time, and say the bytes.
+MOVES = frozenset({"suspend", "resume"})
+
+
+def describe(activity: pb.Activity) -> str:
+    """What a bar says: ``suspending alice's session (preempted by boss (priority 10, exclusive)), 268MB``."""
+    size = f", {tqdm.format_sizeof(activity.bytes_total, 'B')}" if activity.bytes_total else ""
+    if activity.kind == "suspend":  # (named "suspending (REASON)")
+        return f"suspending {activity.tenant}'s session {activity.name.removeprefix('suspending ')}".rstrip() + size
+    if activity.kind == "resume":
+        return f"resuming {activity.tenant}'s session{size}"
+    return f"{activity.kind}: {activity.name}"
+
+
+def _bar(activity: pb.Activity) -> tqdm:
+    if activity.kind in MOVES:
+        return tqdm(total=None, desc=describe(activity), bar_format="{desc} ({elapsed})", leave=False)
+    return tqdm(
+        total=activity.bytes_total or None,
+        desc=describe(activity),
+        unit="B" if activity.bytes_total else "it",
+        unit_scale=True,
+        leave=False,
+    )
+
+
+def shown(state: pb.ClusterState, tenant: str) -> list[pb.Activity]:
+    """``tenant``'s activities, and the suspensions of the tenants holding devices it waits for."""
+    waits_for = {holder.split(" (")[0] for q in state.queue if q.tenant == tenant for holder in q.waiting.holders}
+    return [a for a in state.activities if a.tenant == tenant or (a.kind == "suspend" and a.tenant in waits_for)]
 
 
 class ActivityMonitor:
@@ -43,33 +77,26 @@ class ActivityMonitor:
             self._thread = None
 
     def _poll(self) -> None:
-        bars: dict[tuple[str, float], tqdm] = {}
+        bars: dict[tuple[str, str, float], tqdm] = {}
         try:
             while self._running.is_set() and self._session is not None:
                 session = self._session
                 try:
-                    activities = [a for a in session.observer.state().activities if a.tenant == session.tenant]
+                    activities = shown(session.observer.state(), session.tenant)
                 except PathwaysError:
                     return
                 now = time.time()
                 current = set()
                 for activity in activities:
-                    key = (activity.name, activity.started)
+                    key = (activity.tenant, activity.name, activity.started)
                     current.add(key)
                     if key not in bars and now - activity.started < self.after_s:
                         continue
                     bar = bars.get(key)
                     if bar is None:
-                        bar = tqdm(
-                            total=activity.bytes_total or None,
-                            desc=f"{activity.kind}: {activity.name}",
-                            unit="B" if activity.bytes_total else "it",
-                            unit_scale=True,
-                            leave=False,
-                        )
-                        bars[key] = bar
+                        bar = bars[key] = _bar(activity)
                         self.bars_shown += 1
-                    if activity.bytes_total:
+                    if activity.bytes_total and activity.kind not in MOVES:
                         bar.update(activity.bytes_done - bar.n)
                     else:
                         bar.refresh()
