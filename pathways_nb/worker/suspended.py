@@ -2,7 +2,8 @@
 
 Suspending a session gives its devices to another (docs/design.md, "Suspending and resuming
 sessions"): each of its arrays is copied off its devices shard by shard, and its device buffers are
-freed once nothing reads them. A host keeps up to its budget of suspended bytes in memory
+freed once nothing reads them (a CPU device's buffers are this host's memory already: they are kept as
+they are, without a copy). A host keeps up to its budget of suspended bytes in memory
 (``--suspend_memory_budget``); shards beyond it are written to files under the storage root, and read
 back on resume. Resuming puts each shard back on the device it came from, with the sharding (and
 memory kind) it had, so the session's programs, compiled for those devices, run on them unchanged.
@@ -76,8 +77,10 @@ class _Shard:
     def __init__(self, data: Any, budget: HostBudget, session: str):
         self.sharding, self.nbytes, self.users = data.sharding, data.nbytes, 0
         if budget.take(data.nbytes):
-            # A copy, never a view: a view of a CPU buffer would keep the device memory it should free.
-            self.host, self.path = np.array(data, copy=True), None
+            # A CPU device's memory is this host's: a view keeps the buffer as it is, and the resume puts it back
+            # without a copy. Any other device's is copied, which frees the device's memory.
+            on_cpu = next(iter(data.devices())).platform == "cpu"
+            self.host, self.path = (np.asarray(data) if on_cpu else np.array(data, copy=True)), None
         else:
             self.host, self.path = None, budget.spill_file(session)
             np.save(self.path, np.asarray(data), allow_pickle=False)
