@@ -297,6 +297,11 @@ GANG_MAX_IN_FLIGHT = _define(
 GANG_ALONE_AHEAD = _define(
     "gang_alone_ahead", 4, "steps a tenant alone on an island is handed out ahead of their end on every host"
 )
+SHARE_IDLE_AFTER_S = _define(
+    "share_idle_after_s",
+    0.25,
+    "a tenant of shared devices whose programs have all ended counts as busy this long (its client's wait for results)",
+)
 GROUP_FORM_TIMEOUT_S = _define(
     "group_form_timeout_s",
     120.0,

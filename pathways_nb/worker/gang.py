@@ -84,9 +84,9 @@ class IslandOrder:
         self._thread.start()
         # Host 0: who gets the next step while several tenants saturate the island. Apart from the
         # share of the host's own devices, so that no step waits behind a one-host program that
-        # waits for the step's turn, or the other way round. A tenant alone on the island gets at
-        # most GANG_ALONE_AHEAD steps ahead of their end: one that comes back (after its client stalled
-        # a moment, say) waits behind that many, not behind the other's whole queue.
+        # waits for the step's turn, or the other way round. A tenant alone on the island (the others
+        # idle for SHARE_IDLE_AFTER_S) gets at most GANG_ALONE_AHEAD steps ahead of their end: one that
+        # comes back (after its client stalled, say) waits behind that many, not the other's whole queue.
         self.share = FairShare(alone_depth=tuning.GANG_ALONE_AHEAD.value)
 
     def assign(self, key: str) -> tuple[int, Turn]:

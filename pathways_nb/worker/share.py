@@ -4,13 +4,21 @@ While one tenant alone has programs for the devices, each is dispatched as
 soon as its arguments are there (JAX's asynchronous dispatch, unchanged), or,
 with ``alone_depth`` (an island's order of steps sets it), at most that many
 are in flight, so that a tenant that comes back waits behind no more.
-Once several tenants have programs pending, at most ``depth`` programs are in
-flight on the devices and the next one dispatched is the oldest program of
-the tenant with the least weighted device time (start-time fair queueing on
-measured device time: a tenant is charged ``busy seconds / weight`` when its
-program finishes). Over a busy minute each tenant's device time then follows
-its weight; a tenant that was idle does not bank credit (its virtual time is
-brought up to the least active one's when it returns).
+Once several tenants are busy, at most ``depth`` programs are in flight on
+the devices and the next one dispatched is the oldest program of the tenant
+with the least weighted device time (start-time fair queueing on measured
+device time: a tenant is charged ``busy seconds / weight`` when its program
+finishes). Over a busy minute each tenant's device time then follows its
+weight; a tenant that was idle does not bank credit (its virtual time is
+brought up to the least busy one's when it returns).
+
+A tenant is busy while it has programs queued or in flight, and for
+``tuning.SHARE_IDLE_AFTER_S`` after its last one ended: a client that waits
+for each batch's results before it sends the next has nothing queued for that
+round trip after every batch. Counted idle then, it let the others run ahead
+as if alone (an island's ``alone_depth`` steps) and came back level with them,
+losing its place at every batch: weights 1 and 3 completed steps in the ratio
+1.6-2.2 on an island of two hosts.
 
 A ``core.followers.Follower`` learns when each program's results are ready, and
 from that alone the share charges its tenant, releases the next dispatch and
@@ -32,6 +40,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from pathways_nb.core import tuning
 from pathways_nb.core.followers import Follower
 
 _LOGGER = logging.getLogger(__name__)
@@ -51,9 +60,14 @@ class _Tenant:
     in_flight: int = 0
     starting: int = 0  # taken from ``pending`` into the share's ``_starting``, not dispatched yet
     busy_s: float = 0.0  # device time used so far
+    busy_until: float = 0.0  # when its last program ended, plus ``SHARE_IDLE_AFTER_S``
 
     def __post_init__(self) -> None:
         self.pending = collections.deque()
+
+    def busy(self, now: float) -> bool:
+        """Has programs on the devices, or had a moment ago (its client may wait for their results to send more)."""
+        return bool(self.pending or self.in_flight) or now < self.busy_until
 
 
 @dataclass(frozen=True)
@@ -78,6 +92,7 @@ class FairShare:
         # Programs whose turn has come, in the order they were taken from the tenants' queues; only
         # the follower's thread dispatches them (``_start_waiting``), one after the other.
         self._starting: collections.deque[tuple[str, _Program]] = collections.deque()
+        self._idle_after_s = tuning.SHARE_IDLE_AFTER_S.value
         self._follower = Follower("share")
 
     def submit(
@@ -93,12 +108,13 @@ class FairShare:
         ``finished`` is told the program's busy interval on ``devices`` once its results are ready.
         """
         program = _Program(dispatch, tuple(devices), finished)
+        now = time.time()
         with self._lock:
             entry = self._tenants.get(tenant)
-            if entry is None or (not entry.pending and not entry.in_flight):
-                entry = self._wake(tenant, weight, entry)
+            if entry is None or not entry.busy(now):
+                entry = self._wake(tenant, weight, entry, now)
             entry.weight = weight
-            if self._saturated(entry):
+            if self._saturated(entry, now):
                 entry.pending.append(program)
                 return
             self._start(entry)
@@ -114,19 +130,19 @@ class FairShare:
 
     # -- inside the lock -------------------------------------------------------------------
 
-    def _wake(self, tenant: str, weight: float, entry: _Tenant | None) -> _Tenant:
-        """A tenant with nothing pending (new, or back from idle) starts level with the active ones."""
-        active = [e.virtual_s for e in self._tenants.values() if e.pending or e.in_flight]
-        floor = min(active) if active else 0.0
+    def _wake(self, tenant: str, weight: float, entry: _Tenant | None, now: float) -> _Tenant:
+        """A tenant that is not busy (new, or back from idle) starts level with the busy ones."""
+        busy = [e.virtual_s for e in self._tenants.values() if e.busy(now)]
+        floor = min(busy) if busy else 0.0
         if entry is None:
             entry = self._tenants[tenant] = _Tenant(weight)
         entry.virtual_s = max(entry.virtual_s, floor)
         return entry
 
-    def _saturated(self, entry: _Tenant) -> bool:
+    def _saturated(self, entry: _Tenant, now: float) -> bool:
         if entry.starting:  # dispatched now, it would overtake its own older programs
             return True
-        others = any((e.pending or e.in_flight) for e in self._tenants.values() if e is not entry)
+        others = any(e.busy(now) for e in self._tenants.values() if e is not entry)
         if not others:  # alone: keep its own order, and wait for capacity only beyond ``alone_depth``
             return bool(entry.pending) or (self.alone_depth is not None and self._in_flight >= self.alone_depth)
         return bool(entry.pending) or self._in_flight >= self.depth
@@ -138,10 +154,10 @@ class FairShare:
     def _take_startable(self) -> bool:
         """Moves to ``_starting`` the programs that may start now, each the oldest of the tenant with the
         least weighted device time; whether there were any."""
-        taken = False
+        taken, now = False, time.time()
         while True:
             waiting = [(e.virtual_s, name) for name, e in self._tenants.items() if e.pending]
-            several = sum(1 for e in self._tenants.values() if e.pending or e.in_flight) > 1
+            several = sum(1 for e in self._tenants.values() if e.busy(now)) > 1
             limit = self.depth if several or self.alone_depth is None else self.alone_depth
             if not waiting or self._in_flight >= limit:
                 return taken
@@ -199,6 +215,7 @@ class FairShare:
             entry.busy_s += busy
             entry.virtual_s += busy / entry.weight
             entry.in_flight -= 1
+            entry.busy_until = end + self._idle_after_s
             self._in_flight -= 1
             ready = self._take_startable()
         if program.finished is not None and outputs:

@@ -1,7 +1,9 @@
 """Keeps an island of two hosts (the cluster at argv[1], token argv[2]) busy as tenant argv[3] of weight
 argv[4], for argv[5] seconds from its start, with SPMD programs over both hosts' devices: argv[6] says which
 (``all-gather``: a cross-host collective; ``no collective``: each host computes its rows alone;
-``no collective, host 1 slower``: host 1 does twice the work).
+``no collective, host 1 slower``: host 1 does twice the work). It sends them in batches of 8, each once
+the one before has run, as a training loop that reads its loss every 8 steps: after every batch the
+tenant has nothing queued on the island while its client's wait returns and the next batch arrives.
 
 Prints ``ready``, starts on a line on stdin, and prints ``done N`` once its N programs have run.
 """
@@ -36,15 +38,11 @@ if program == "no collective, host 1 slower":  # twice the work on host 1
         return jax.lax.cond(jax.lax.axis_index("x") == 1, lambda y: jnp.tanh(y @ w @ w @ w), lambda y: y, y)
 
     step = jax.jit(jax.shard_map(part, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x")))
-outstanding, dispatched, started = [], 0, time.monotonic()
+dispatched, started = 0, time.monotonic()
 print("ready", flush=True)
 sys.stdin.readline()
 while time.monotonic() - started < seconds:
-    outstanding.append(step(x, w))  # always some work queued
-    dispatched += 1
-    if len(outstanding) >= 40:  # a tenant's steps end in order: one wait per 8 (a loaded client keeps up)
-        outstanding[7].block_until_ready()
-        del outstanding[:8]
-for y in outstanding:
-    y.block_until_ready()
+    batch = [step(x, w) for _ in range(8)]
+    batch[-1].block_until_ready()  # a tenant's steps end in order: the batch has run
+    dispatched += len(batch)
 print("done", dispatched, flush=True)
