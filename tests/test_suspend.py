@@ -291,3 +291,36 @@ def test_a_suspended_session_outlives_a_restart_of_the_resource_manager(suspendi
         _tell(client, "check")  # resumes it: asks the new resource manager for its devices
         assert _line(client) == "intact"
         assert _session_of(operator, "phoenix").state == "running"
+
+
+def test_a_suspended_session_whose_worker_dies_loses_only_that_worker_s_arrays(suspending_cluster, operator):
+    """A worker that dies takes the host copies of a suspended session's arrays with it, as it would have taken
+    them off its devices: the session resumes once the worker is back, and reading such an array fails with
+    DATA_LOSS naming the worker, instead of hanging or ending the client."""
+    with _ended_at_the_end() as processes:
+        client = _client(suspending_cluster, "holds_a_session.py", "unlucky")
+        processes.append(client)
+        _line(client)
+        (session,) = [s for s in operator.state().sessions if s.tenant == "unlucky"]
+        operator.control_sessions(pb.SessionControl.SUSPEND, session_ids=[session.session_id])
+        suspending_cluster.kill_worker(0)
+        _tell(client, "check")  # resumes it once island 0's worker is back (the cluster restarts it)
+        said = _line(client)
+        assert said.startswith("lost: ") and "DATA_LOSS" in said and "island 0" in said, said
+        assert _session_of(operator, "unlucky").state == "running"
+
+
+def test_a_session_that_ends_while_it_waits_to_resume_leaves_the_queue(suspending_cluster, operator):
+    """A preempted session queued to resume whose client goes away asks for nothing any more."""
+    with _ended_at_the_end() as processes:
+        trainer = _client(suspending_cluster, "trains_until_told.py", "quitter", "1", "0")
+        processes.append(trainer)
+        assert _line(trainer) == "training"
+        boss = _takes(suspending_cluster, "boss", 1, 10, processes)
+        wait_until(lambda: _session_of(operator, "quitter").state, 30, "quitter queues", holds="queued".__eq__)
+        assert [q.tenant for q in operator.state().queue] == ["quitter"]
+        trainer.kill()
+        trainer.communicate()
+        wait_until(lambda: [q.tenant for q in operator.state().queue], 30, "an empty queue", holds=lambda q: not q)
+        _tell(boss, "done")
+        assert _line(boss) == "released"
