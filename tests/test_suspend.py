@@ -86,7 +86,7 @@ def test_suspended_session_keeps_its_arrays_and_programs(suspending_cluster, ope
     assert _spilled_bytes(suspending_cluster) >= 2 * 128 * MIB - BUDGET
     _tell(client, "resume")
     found = json.loads(finished_ok(client, 300).splitlines()[-1])
-    assert _spilled_bytes(suspending_cluster) == 0
+    wait_until(lambda: _spilled_bytes(suspending_cluster), 30, "the files removed", holds=lambda left: left == 0)
     assert found["state_suspended"] == "suspended", found
     assert found["state_after"] == "running", found
     assert found["result_equal"] and found["big_equal"] and found["small_equal"] and found["halves_equal"], found
@@ -324,3 +324,35 @@ def test_a_session_that_ends_while_it_waits_to_resume_leaves_the_queue(suspendin
         wait_until(lambda: [q.tenant for q in operator.state().queue], 30, "an empty queue", holds=lambda q: not q)
         _tell(boss, "done")
         assert _line(boss) == "released"
+
+
+def test_a_session_that_ran_across_islands_is_not_suspended_yet(suspending_cluster, operator):
+    """Suspending a session that has used a group of islands (multislice) is refused with the reason, at once: it
+    keeps its devices and goes on computing (this once hung)."""
+    code = """
+        import sys
+        import jax, numpy as np
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+        import pathways_nb
+
+        pathways_nb.connect(sys.argv[1], tenant="spanning")
+        mesh = Mesh(np.array(jax.devices()), ("x",))
+        host = np.arange(4 * 256, dtype=np.float32).reshape(4, 256)
+        total = jax.jit(lambda v: (v * 2).sum(axis=0))
+        spread = jax.device_put(host, NamedSharding(mesh, PartitionSpec("x")))
+        print(float(total(spread)[0]), flush=True)
+        sys.stdin.readline()
+        print(float(total(spread)[0]), flush=True)
+    """
+    with _ended_at_the_end() as processes:
+        client = python_process(
+            code, suspending_cluster.address, env={"PATHWAYS_CLUSTER_TOKEN": suspending_cluster.token}
+        )
+        processes.append(client)
+        assert _line(client) == "3072.0"
+        (session,) = [s for s in operator.state().sessions if s.tenant == "spanning"]
+        with pytest.raises(PathwaysError, match=r"has run programs across islands .* cannot be suspended yet"):
+            operator.control_sessions(pb.SessionControl.SUSPEND, session_ids=[session.session_id])
+        assert _session_of(operator, "spanning").state == "running"
+        _tell(client, "again")
+        assert _line(client) == "3072.0"

@@ -756,6 +756,12 @@ class ClusterSession:
 
     # -- suspending ------------------------------------------------------------------------
 
+    @property
+    def uses_groups(self) -> bool:
+        """Whether the session has run on a group of islands (multislice): such sessions are not suspended yet."""
+        with self._lock:
+            return any(link.group for link in self._links.values())
+
     def on_wanted(self, tell: Callable[[pb.Wanted], None]) -> None:
         """``tell(wanted)`` whenever the resource manager says a waiting request wants this session's devices."""
         self._lease.on_wanted = tell
