@@ -314,10 +314,21 @@ def _serve(server, message: str, started: float, port_file: str | None, stop=Non
 DEVICES_HELP = "number of CPU devices to create (default: JAX's, 1); accelerators always serve all of theirs"
 
 
+def _byte_count(text: str) -> int:
+    """A number of bytes, 0 or more (argparse's error otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of bytes (an integer, 0 or more)")
+    return value
+
+
 def _add_suspend_memory_budget(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--suspend_memory_budget",
-        type=int,
+        type=_byte_count,
         default=None,
         metavar="BYTES",
         help="bytes of suspended sessions' arrays a host keeps in its memory; beyond them they go to files under "

@@ -366,3 +366,12 @@ def test_bad_policy_flags_say_what_to_do(flags, message, tmp_path, capsys):
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("budget", ["-1", "lots", "1.5"])
+def test_a_suspend_memory_budget_that_is_no_byte_count_is_refused(budget, capsys):
+    for command in (["worker", "--resource_manager_address", "127.0.0.1:1"], ["up", "--no_slurm"]):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main([*command, "--suspend_memory_budget", budget])
+        assert exit_info.value.code == 2
+        assert f"{budget!r} is not a number of bytes (an integer, 0 or more)" in capsys.readouterr().err

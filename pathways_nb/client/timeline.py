@@ -330,28 +330,16 @@ class Timeline:
         figure, axes = plt.subplots(figsize=(10, 0.4 * max(2, len(self.devices)) + 1))
         rows = {d.id: i for i, d in enumerate(self.devices)}
         begin = min((e.start for e in self.events), default=0.0)
+
+        def bars(span, **style) -> None:
+            for device in span.device_ids:
+                if device in rows:
+                    axes.barh(rows[device], (span.end - span.start) * 1e3, left=(span.start - begin) * 1e3, **style)
+
         for stretch in self.suspensions():
-            for device in stretch.device_ids:
-                if device in rows:
-                    axes.barh(
-                        rows[device],
-                        (stretch.end - stretch.start) * 1e3,
-                        left=(stretch.start - begin) * 1e3,
-                        color="none",
-                        edgecolor=SUSPENDED,
-                        hatch="//",
-                        height=0.9,
-                    )
+            bars(stretch, color="none", edgecolor=SUSPENDED, hatch="//", height=0.9)
         for e in self.events:
-            for device in e.device_ids:
-                if device in rows:
-                    axes.barh(
-                        rows[device],
-                        (e.end - e.start) * 1e3,
-                        left=(e.start - begin) * 1e3,
-                        color=COLORS.get(e.kind, "#999"),
-                        height=0.7,
-                    )
+            bars(e, color=COLORS.get(e.kind, "#999"), height=0.7)
         for start in self.steps():
             axes.axvline((start - begin) * 1e3, color="#888", linestyle="--", linewidth=0.8)
         kinds = {e.kind for e in self.events if e.device_ids}

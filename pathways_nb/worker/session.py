@@ -738,11 +738,11 @@ class WorkerSession:
             if error is not None:
                 self._reply(pb.Reply(request=command.request, error=status_of(error)))
                 return
+            copies = [record.value for record in records]
             for record, value in zip(records, values, strict=True):
-                copy = record.value
                 record.replace(value)
-                copy.delete()
             self.suspended = False
+            self._pool.submit(lambda: [copy.delete() for copy in copies])  # files to remove: not on the loop
             self._reply(pb.Reply(request=command.request, done=True))
 
         self._background(lambda: to_devices([record.value for record in records]), restored)

@@ -31,8 +31,8 @@ class HostBudget:
     """
 
     def __init__(self, limit: int | None, spill_root: Path | None = None):
-        if limit is not None and spill_root is None:
-            raise ValueError("a limited budget needs a directory to spill to")
+        if limit is not None and (limit < 0 or spill_root is None):
+            raise ValueError(f"a budget of {limit} bytes is not 0 or more with a directory to spill to")
         self.limit = limit
         self._spill_root = spill_root
         self._used = 0
