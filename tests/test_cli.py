@@ -54,7 +54,7 @@ def _flag_actions(parser: argparse.ArgumentParser):
 
 
 # Valid values of the flags whose values have a form (their metavar says which).
-VALUES_BY_METAVAR = {"TENANT=N": "alice=3"}
+VALUES_BY_METAVAR = {"TENANT=N": "alice=3", "BYTES": "1024"}
 
 
 def _value(action: argparse.Action) -> list[str]:
