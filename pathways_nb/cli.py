@@ -218,10 +218,58 @@ def _logs(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sessions(args: argparse.Namespace) -> int:
-    from pathways_nb.client import tables
+def _operator(args: argparse.Namespace):
+    """An Observer of the proxy ``--address`` names (else ``$PATHWAYS_ADDRESS``), with the cluster token."""
     from pathways_nb.client.connection import ADDRESS_ENV, resolve_address
     from pathways_nb.client.observe import Observer
+
+    address = args.address or os.environ.get(ADDRESS_ENV)
+    if not address:
+        raise ValueError(f"pass the proxy's --address HOST:PORT, or set {ADDRESS_ENV}")
+    address, found_token = resolve_address(address)
+    token = security.read_token_file(args.token_file) if args.token_file else found_token or security.token_from_env()
+    return Observer(address, token)
+
+
+def _operator_arguments(parser: argparse.ArgumentParser) -> None:
+    """--address and --token_file, for a command an operator runs against a proxy."""
+    parser.add_argument(
+        "--address",
+        default=None,
+        help="the proxy's HOST:PORT, slurm://JOBID or address file (default: $PATHWAYS_ADDRESS)",
+    )
+    parser.add_argument(
+        "--token_file",
+        default=None,
+        help="file holding the cluster token (default: the one beside --address's file, else $PATHWAYS_CLUSTER_TOKEN)",
+    )
+
+
+def _drain(args: argparse.Namespace) -> int:
+    island, slash, host = args.host.partition("/")
+    if not (slash and island.isdigit() and host.isdigit()):
+        raise ValueError(f"name the host as ISLAND/HOST (e.g. 0/1), not {args.host!r}")
+    place = (int(island), int(host))
+    observer = _operator(args)
+    try:
+        state = observer.drain(*place, undo=args.undo)
+        deadline = time.monotonic() + args.wait
+        while not args.undo and state.drain_status != "drained" and time.monotonic() < deadline:
+            time.sleep(0.5)
+            found = [w for w in observer.state().workers if (w.island, w.host_index) == place]
+            state = found[0] if found else state
+    finally:
+        observer.close()
+    where = f"island {state.island} host {state.host_index} ({state.address})"
+    if args.undo:
+        print(f"{where} is back in service")
+        return 0
+    print(f"{where}: {state.drain_status}")
+    return 0 if state.drain_status == "drained" or not args.wait else 1
+
+
+def _sessions(args: argparse.Namespace) -> int:
+    from pathways_nb.client import tables
     from pathways_nb.rpc import cluster_pb2 as pb
 
     if args.action != "list" and not args.session_ids:
@@ -229,12 +277,8 @@ def _sessions(args: argparse.Namespace) -> int:
             f"name the sessions to {args.action} by id (pathways-nb sessions list shows them); a notebook "
             f"{args.action}s its own with %pathways {args.action}"
         )
-    address = args.address or os.environ.get(ADDRESS_ENV)
-    if not address:
-        raise ValueError(f"pass the proxy's --address HOST:PORT, or set {ADDRESS_ENV}")
-    address, found_token = resolve_address(address)
-    token = security.read_token_file(args.token_file) if args.token_file else found_token or security.token_from_env()
-    observer = Observer(address, token)
+    observer = _operator(args)
+    address = observer.address
     try:
         infos = observer.control_sessions(
             pb.SessionControl.Action.Value(args.action.upper()), session_ids=args.session_ids
@@ -609,17 +653,25 @@ def build_parser() -> argparse.ArgumentParser:
     sessions.add_argument(
         "session_ids", nargs="*", type=int, metavar="SESSION_ID", help="the sessions to act on (list: default all)"
     )
-    sessions.add_argument(
-        "--address",
-        default=None,
-        help="the proxy's HOST:PORT, slurm://JOBID or address file (default: $PATHWAYS_ADDRESS)",
-    )
-    sessions.add_argument(
-        "--token_file",
-        default=None,
-        help="file holding the cluster token (default: the one beside --address's file, else $PATHWAYS_CLUSTER_TOKEN)",
-    )
+    _operator_arguments(sessions)
     sessions.set_defaults(run=_sessions)
+
+    drain = commands.add_parser(
+        "drain",
+        parents=[common],
+        help="drain a host: its sessions move to devices like theirs, then it may be stopped without losing work",
+    )
+    drain.add_argument("host", metavar="ISLAND/HOST", help="the host, as island and host index (e.g. 0/1)")
+    drain.add_argument("--undo", action="store_true", help="put the host back in service")
+    drain.add_argument(
+        "--wait",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="wait up to this long until the host is drained (exit status 1 if it is not by then; default: 0)",
+    )
+    _operator_arguments(drain)
+    drain.set_defaults(run=_drain)
 
     deploy = commands.add_parser("deploy", parents=[common], help="write what runs a cluster on other machines")
     targets = deploy.add_subparsers(dest="deploy_target", required=True)

@@ -19,8 +19,10 @@ import numpy as np
 import psutil
 import pytest
 
+from pathways_nb.client.observe import Observer
 from pathways_nb.core import shared_memory
 from pathways_nb.launch.local_cluster import LocalCluster
+from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.testing import other_users_python, python_script, wait_until
 
 CLIENT_TIMEOUT_S = 300
@@ -197,3 +199,37 @@ def test_orbax_pathways_handlers_save_and_restore_through_colocated_python_as_lo
     out, err = local.communicate(timeout=CLIENT_TIMEOUT_S)
     assert local.returncode == 0, err[-4000:]
     assert json.loads(out.strip().splitlines()[-1]) == expected
+
+
+def test_a_session_that_moves_to_other_devices_takes_its_colocated_arrays_along(colocated_cluster):
+    """Suspended while another tenant takes its island, the session resumes on the other island: its arrays on
+    colocated CPU devices moved with it, its colocated function runs there on them, and its colocated CPU devices
+    keep their ids (the executor there knows them by the session's ids)."""
+    operator = Observer(colocated_cluster.address, token=colocated_cluster.token)
+    mover = start_client(colocated_cluster, "colocated_moves.py", "mover")
+    taker = None
+    try:
+        ready = json.loads(mover.stdout.readline())["ready"]
+        (session,) = [s for s in operator.state().sessions if s.tenant == "mover"]
+        operator.control_sessions(pb.SessionControl.SUSPEND, session_ids=[session.session_id])
+        taker = python_script(
+            CLIENTS / "takes_an_island.py",
+            colocated_cluster.address,
+            "taker",
+            str(next(d.island for d in operator.state().devices if d.id == session.device_ids[0])),
+            "0",
+            env={"PATHWAYS_CLUSTER_TOKEN": colocated_cluster.token},
+        )
+        assert taker.stdout.readline().startswith("granted")
+        mover.stdin.write("go\n")
+        mover.stdin.flush()
+        found = json.loads(mover.stdout.readline())
+        assert found == {"x_equal": True, "y_equal": True, "called_again": True, "cpus": ready}, found
+        (moved,) = [s for s in operator.state().sessions if s.tenant == "mover"]
+        assert set(moved.device_ids).isdisjoint(session.device_ids), (moved, session)
+    finally:
+        for process in (mover, taker):
+            if process is not None:
+                process.kill()
+                process.communicate()
+        operator.close()

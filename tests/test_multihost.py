@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from pathways_nb.client.observe import Observer
 from pathways_nb.launch.local_cluster import LocalCluster
 from pathways_nb.launch.processes import ChildServer
-from pathways_nb.testing import python_script, wait_until
+from pathways_nb.testing import finished_ok, python_script, wait_until
 
 CLIENTS = Path(__file__).with_name("clients")
 SPMD = CLIENTS / "multihost_spmd_equals_local.py"
@@ -127,3 +128,43 @@ def test_a_host_killed_mid_collective_fails_programs_without_a_hang_and_the_isla
 def test_a_long_chain_of_collectives_dispatched_back_to_back_finishes(two_by_two):
     """More than a couple of cross-host collectives in flight never finish on XLA's CPU runtime: workers bound them."""
     assert _run(CHAIN, two_by_two.address, two_by_two.token, timeout_s=120) == {"value": 1.0}
+
+
+def _token(cluster: LocalCluster) -> dict[str, str]:
+    return {"PATHWAYS_CLUSTER_TOKEN": cluster.token}
+
+
+def test_draining_a_host_moves_a_two_host_session_to_another_island(two_by_two):
+    """mover holds island 0 (2 hosts x 2 devices) with arrays laid over both hosts and a program that runs on both;
+    draining island 0 host 1 moves the whole session to island 1's two hosts at the same host indices, where it
+    goes on with every array bitwise equal, its program, a new one, and jax.devices() as they were."""
+    wait_until(lambda: two_by_two.state().workers, 60, "every host healthy", holds=lambda w: all(x.healthy for x in w))
+    observer = Observer(two_by_two.address, token=two_by_two.token)
+    mover = python_script(
+        CLIENTS / "moves_to_other_devices.py", two_by_two.address, "mover", "4", env=_token(two_by_two)
+    )
+    try:
+        assert mover.stdout.readline().strip() == "ready"
+        (session,) = [s for s in observer.state().sessions if s.tenant == "mover"]
+        assert list(session.device_ids) == [0, 1, 2, 3]
+        drained = observer.drain(0, 1)
+        assert drained.draining and drained.drain_status.startswith("draining"), drained
+        wait_until(
+            lambda: next(w for w in observer.state().workers if (w.island, w.host_index) == (0, 1)).drain_status,
+            60,
+            "island 0 host 1 drained",
+            holds="drained".__eq__,
+        )
+        mover.stdin.write("check\n")
+        mover.stdin.flush()
+        found = json.loads(mover.stdout.readline())
+        assert all(found.values()), found
+        (session,) = [s for s in observer.state().sessions if s.tenant == "mover"]
+        assert (session.state, list(session.device_ids)) == ("running", [4, 5, 6, 7]), session
+        mover.stdin.write("done\n")
+        mover.stdin.flush()
+        finished_ok(mover, 60)
+    finally:
+        mover.kill()
+        observer.drain(0, 1, undo=True)
+        observer.close()

@@ -160,6 +160,50 @@ def test_a_resuming_request_waits_for_exactly_its_devices_registered():
     assert not away.granted
 
 
+def test_a_resume_that_accepts_the_same_shape_takes_free_devices_like_its_own():
+    """Its own devices first; where they are taken, the same local ids on another host (of the islands it asked
+    for); a session over two hosts moves to another island's two hosts at the same host indices."""
+    registry, allocator = _registry(3, hosts=2, devices=2), Allocator()  # island i host h: 4i + 2h, 4i + 2h + 1
+    holder = _submit(allocator, registry, "holder", exclusive=True, islands=[0])
+    allocator.grant(registry)
+    one_host = _submit(allocator, registry, "one", exclusive=True, want=(1,), same_shape=True)
+    assert allocator.grant(registry) == [one_host]
+    assert one_host.devices == (5,)  # local id 1 of island 0 host 1 is taken too: island 1 host 0's
+    allocator.release(one_host)
+    kept_to_2 = _submit(allocator, registry, "kept", exclusive=True, islands=[2], want=(1,), same_shape=True)
+    assert allocator.grant(registry) == [kept_to_2]
+    assert kept_to_2.devices == (9,)
+    two_hosts = _submit(allocator, registry, "two", exclusive=True, want=(0, 1, 2, 3), same_shape=True)
+    assert allocator.grant(registry) == [two_hosts]
+    assert two_hosts.devices == (4, 5, 6, 7)
+    mine = _submit(allocator, registry, "mine", exclusive=True, want=(0, 1, 2, 3), same_shape=True)
+    allocator.release(holder)
+    assert allocator.grant(registry) == [mine]
+    assert mine.devices == (0, 1, 2, 3)  # its own, free again
+
+
+def test_a_drained_host_goes_to_nobody_new_and_its_holders_are_asked_to_suspend():
+    registry, allocator = _registry(2, devices=2), Allocator()
+    on_0 = _submit(allocator, registry, "resident", exclusive=True, want=(0,))
+    allocator.grant(registry)
+    allocator.draining.add((0, 0))
+    allocator.grant(registry)
+    assert allocator.contention(registry) == [on_0]
+    assert on_0.told == pb.Wanted(by="an operator draining island 0 host 0", preempt=True, drain=True)
+    newcomer = _submit(allocator, registry, "newcomer", n=2)
+    assert allocator.grant(registry) == [newcomer]
+    assert newcomer.devices == (2, 3)  # not island 0's
+    allocator.release(on_0)  # its proxy suspended it; it resumes elsewhere, or waits
+    back = _submit(allocator, registry, "resident", exclusive=True, want=(0,))
+    assert allocator.grant(registry) == []
+    assert "(island 0 host 0 is being drained)" in allocator.waiting(back, registry).reason
+    moved = _submit(allocator, registry, "mover", want=(0,), same_shape=True)
+    assert allocator.grant(registry) == [moved]
+    assert moved.devices == (2,)
+    allocator.draining.discard((0, 0))
+    assert allocator.grant(registry) == [back]
+
+
 # -- over gRPC -------------------------------------------------------------------------------
 
 

@@ -356,3 +356,81 @@ def test_a_session_that_ran_across_islands_is_not_suspended_yet(suspending_clust
         assert _session_of(operator, "spanning").state == "running"
         _tell(client, "again")
         assert _line(client) == "3072.0"
+
+
+def _moving(cluster: LocalCluster, tenant: str, devices: int, processes: list):
+    """A client with ``devices`` devices to itself on any island (added to ``processes``), once it holds its arrays."""
+    mover = _client(cluster, "moves_to_other_devices.py", tenant, str(devices))
+    processes.append(mover)
+    assert _line(mover) == "ready"
+    return mover
+
+
+def _intact_after_the_move(mover, operator: Observer, tenant: str, devices: list[int]) -> None:
+    """The mover's arrays and programs are as they were, and the cluster's ``devices`` serve its session now."""
+    _tell(mover, "check")
+    found = json.loads(_line(mover))
+    assert all(found.values()), found
+    session = _session_of(operator, tenant)
+    assert (session.state, list(session.device_ids)) == ("running", devices), session
+    _tell(mover, "done")
+    finished_ok(mover, 60)
+
+
+def test_a_suspended_session_resumes_on_other_devices_of_the_same_shape(suspending_cluster, operator):
+    """Virtual devices: mover holds island 0 (any island would do) and is suspended; taker takes island 0; mover's
+    next call resumes it on island 1. Its arrays moved there bitwise equal, its program runs there, a new one
+    compiles there, and its jax.devices() and shardings are what they were."""
+    with _ended_at_the_end() as processes:
+        mover = _moving(suspending_cluster, "mover", 2, processes)
+        session = _session_of(operator, "mover")
+        assert list(session.device_ids) == [0, 1]
+        operator.control_sessions(pb.SessionControl.SUSPEND, session_ids=[session.session_id])
+        taker = _takes(suspending_cluster, "taker", 0, 0, processes)
+        _intact_after_the_move(mover, operator, "mover", [2, 3])
+        _tell(taker, "done")
+        assert _line(taker) == "released"
+
+
+def test_an_operator_drains_a_host_and_stops_it_without_losing_work(suspending_cluster, operator, capsys):
+    """Two sessions keep arrays on island 0's host; pathways-nb drain 0/0 moves both to island 1's, reports the
+    host drained, and its worker is killed: both go on with every array intact. Draining an unknown host, or
+    without the cluster token, changes nothing and says why."""
+    token_file = Path(suspending_cluster.directory, "operator-token")
+    token_file.write_text(suspending_cluster.token)
+    address = ["--address", suspending_cluster.address, "--token_file", str(token_file)]
+    with _ended_at_the_end() as processes:
+        movers = [_moving(suspending_cluster, tenant, 1, processes) for tenant in ("first", "second")]
+        assert [list(_session_of(operator, t).device_ids) for t in ("first", "second")] == [[0], [1]]
+        capsys.readouterr()
+        try:
+            assert cli.main(["drain", "0/0", *address, "--wait", "60"]) == 0
+            assert capsys.readouterr().out.strip().endswith(": drained")
+            moved = {
+                t: (_session_of(operator, t).state, list(_session_of(operator, t).device_ids))
+                for t in ("first", "second")
+            }
+            assert moved == {"first": ("running", [2]), "second": ("running", [3])}, moved
+            states = {(w.island, w.host_index): w for w in operator.state().workers}
+            assert states[0, 0].draining and states[0, 0].drain_status == "drained"
+            assert not states[1, 0].draining
+            suspending_cluster.kill_worker(0)
+            for mover, tenant, device in zip(movers, ("first", "second"), (2, 3), strict=True):
+                _intact_after_the_move(mover, operator, tenant, [device])
+        finally:
+            assert cli.main(["drain", "0/0", "--undo", *address]) == 0
+        assert "back in service" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="2"):
+        cli.main(["drain", "7/0", *address])
+    assert "no host 7/0 in this cluster (ISLAND/HOST: 0/0, 1/0); nothing was drained" in capsys.readouterr().err
+    tokenless = Observer(suspending_cluster.address, token=None)
+    with pytest.raises(PathwaysError, match="cluster token"):
+        tokenless.drain(1, 0)
+    tokenless.close()
+    assert not any(w.draining for w in operator.state().workers)
+    wait_until(
+        lambda: {w.worker_id: w.healthy for w in operator.state().workers},
+        60,
+        "worker 0 back",
+        holds=lambda h: all(h.values()),
+    )

@@ -130,5 +130,11 @@ class Observer:
         timeout_s = 10.0 if action == pb.SessionControl.LIST else None
         return list(self._call(self._stub.ControlSessions, request, timeout_s).sessions)
 
+    def drain(self, island: int, host_index: int, undo: bool = False) -> pb.WorkerState:
+        """Drains a host of the cluster, or (``undo``) puts it back in service; returns its state at once
+        (``drain_status`` says how far it is: ``"drained"`` once it may be stopped). Needs the cluster token."""
+        request = pb.DrainRequest(island=island, host_index=host_index, undo=undo)
+        return self._call(self._stub.Drain, request, 30.0)
+
     def close(self) -> None:
         self._channel.close()

@@ -189,9 +189,25 @@ class HostContext:
     # the client's output context of the call, which tags it (``pathways_nb.v1.OutputLine.context``).
     output: Any = None
     output_context: str = ""
+    # This host's colocated CPU devices, local id -> the id the session knows each by (empty: the cluster's).
+    session_device_ids: dict[int, int] = dataclasses.field(default_factory=dict)
 
-    def for_tenant(self, tenant: str, session: str = "", output: Any = None, output_context: str = "") -> HostContext:
-        return dataclasses.replace(self, tenant=tenant, session=session, output=output, output_context=output_context)
+    def for_tenant(
+        self,
+        tenant: str,
+        session: str = "",
+        output: Any = None,
+        output_context: str = "",
+        session_device_ids: dict[int, int] | None = None,
+    ) -> HostContext:
+        return dataclasses.replace(
+            self,
+            tenant=tenant,
+            session=session,
+            output=output,
+            output_context=output_context,
+            session_device_ids=session_device_ids or {},
+        )
 
 
 class ProgramKind:

@@ -96,6 +96,11 @@ class ClusterRuntime:
         self._program_ids = itertools.count(secrets.randbits(40) << 20)
         # Per program (by identity): worker incarnation -> program id on that worker.
         self._compiled: weakref.WeakKeyDictionary[RemoteProgram, dict[int, int]] = weakref.WeakKeyDictionary()
+        # Each program's hosts, by worker id, and the workers it was compiled on since (a session that moved to
+        # other devices compiles its programs there): where to forget it.
+        self._compiled_where: weakref.WeakKeyDictionary[RemoteProgram, dict[str, pb.Device]] = (
+            weakref.WeakKeyDictionary()
+        )
         # Compiles sent without waiting (program_id_on), by program id, until their reply: (reply, stream).
         self._compiling: dict[int, tuple[Pending, WorkerLink]] = {}
         self._control: dict[str, WorkerLink] = {}
@@ -160,6 +165,9 @@ class ClusterRuntime:
             if not worker.healthy:
                 for session in list(self._sessions):
                     session.worker_down(worker)
+        if any(worker.draining for worker in state.workers):
+            for session in list(self._sessions):
+                session.hosts_draining()
         self._update_groups(state.groups)
 
     # -- groups of islands (multislice) ---------------------------------------------------------
@@ -382,6 +390,7 @@ class ClusterRuntime:
             new = program_id is None
             if new:
                 program_id = known[worker.incarnation] = next(self._program_ids)
+                self._compiled_where.setdefault(program, {}).setdefault(worker.worker_id, worker)
         link = link or self.control_link(worker)
         try:
             reply = self._send_compile(
@@ -478,9 +487,10 @@ class ClusterRuntime:
         )
         with self._lock:
             known = self._compiled[program] = {hosts[i].incarnation: ids[i] for i in compiled}
+            where = self._compiled_where[program] = {host.worker_id: host for host in hosts}
         # Once no session handle, compile-cache entry or running request holds the program, its
         # workers drop it too (their table of programs would only grow otherwise).
-        weakref.finalize(program, self._drop, (program.hosts, known))
+        weakref.finalize(program, self._drop, (where, known))
         return program
 
     def _compile_in_stead(
@@ -527,8 +537,8 @@ class ClusterRuntime:
         """
         dropped, self._dropped = self._dropped, []
         by_worker: dict[str, tuple[pb.Device, list[int]]] = {}
-        for hosts, known in dropped:
-            for host in hosts:
+        for where, known in dropped:
+            for host in list(where.values()):
                 state = self.worker(host.worker_id)
                 program_id = known.get(state.incarnation) if state is not None and state.healthy else None
                 if program_id is None:
@@ -555,6 +565,17 @@ class ClusterRuntime:
                 link.send(pb.Command(forget_program=pb.ForgetProgram(program=program_id)))
         except RequestError as error:
             _LOGGER.info("telling %s to forget programs failed: %s", device.worker_id, error.message)
+
+    async def drain(self, request: pb.DrainRequest) -> pb.WorkerState:
+        """Has the resource manager drain a host (or put it back in service); its state (on the loop)."""
+        channel = self.credentials.aio_channel(self.rm_address)
+        try:
+            stub = cluster_pb2_grpc.ResourceManagerStub(channel)
+            return await stub.Drain(request, metadata=self.credentials.call_metadata(), timeout=30)
+        except grpc.aio.AioRpcError as error:
+            raise _rm_error(error, self.rm_address) from None
+        finally:
+            await channel.close()
 
     def profile_resource_manager(self, control: pb.ProfileControl) -> bytes:
         """Starts or stops a trace of the resource manager's process; the stop returns it (blocks)."""

@@ -42,6 +42,7 @@ from pathways_nb.protocol import dtypes, schema
 from pathways_nb.protocol.errors import (
     InvalidRequest,
     RequestError,
+    Unavailable,
     as_request_error,
 )
 from pathways_nb.protocol.shardings import IfrtSharding
@@ -84,10 +85,10 @@ class ClusterSession:
         self.session_id = session_id
         self.allocation = allocation = lease.granted
         self._lease = lease
-        # Each device's colocated CPU device (a cluster with colocated Python), as a device of its worker.
+        self._devices: dict[int, pb.Device] = {}
+        self._global_ids: dict[tuple[str, int], int] = {}
+        self._take(allocation.devices)
         colocated = {d.id: _colocated_device(d) for d in allocation.devices if d.HasField("colocated")}
-        self._devices = {d.id: d for d in [*allocation.devices, *colocated.values()]}
-        self._global_ids = {(d.worker_id, d.local_id): d.id for d in self._devices.values()}
         # A device's place on its host (jaxlib's ids of an island's hosts are offsets in one id space);
         # a colocated CPU device has its device's place.
         by_worker: dict[str, list[pb.Device]] = {}
@@ -108,6 +109,17 @@ class ClusterSession:
         self._gangs = itertools.count(1)
         self._lock = threading.Lock()
         self._platform = allocation.platform or allocation.devices[0].platform
+        self._on_drain: Callable[[], None] | None = None
+        # The session's devices (the ids its client knows, for its whole life) -> the cluster's devices that serve
+        # them now: the same ones until it resumes on others (virtual devices).
+        self._physical = {device_id: device_id for device_id in self._device_ids}
+
+    def _take(self, devices: Sequence[pb.Device]) -> None:
+        """Makes ``devices`` (each under the session's id for it) the session's, with their colocated CPU devices
+        (a cluster with colocated Python: as devices of their workers)."""
+        colocated = [_colocated_device(d) for d in devices if d.HasField("colocated")]
+        self._devices = {d.id: d for d in [*devices, *colocated]}
+        self._global_ids = {(d.worker_id, d.local_id): d.id for d in self._devices.values()}
 
     # -- devices ---------------------------------------------------------------------------
 
@@ -598,7 +610,7 @@ class ClusterSession:
         An argument of a program over a group of islands that lives on the islands' own workers (it was made
         while the group did not serve) is sent to the group first.
         """
-        hosts = [self._current(host) for host in program.hosts]
+        hosts = [self._current(host) for host in self._hosts_of(program)]
         links = [self._link(host) for host in hosts]
         if hosts[0].group:
             args = [self._into(arg, links) for arg in args]
@@ -633,6 +645,13 @@ class ClusterSession:
             MultiHostArray(parts, aval.shape, sharding)
             for parts, aval, sharding in zip(results, program.signature.results, program.output_shardings, strict=True)
         ]
+
+    def _hosts_of(self, program: RemoteProgram) -> Sequence[pb.Device]:
+        """Where this session runs ``program``: one device per host, of its own devices (the program may have been
+        compiled for another session's, or before this one moved), or the members of a group of islands."""
+        if program.hosts[0].group:
+            return program.hosts
+        return [self._device(host.id) for host in program.hosts]
 
     def _into(self, value, links: list[WorkerLink]):
         """``value`` as an array of the group whose members ``links`` lead to: as it is, or moved there."""
@@ -704,6 +723,7 @@ class ClusterSession:
                 device_ids=run.device_ids,
                 tenant=self.options.tenant,
                 context=output_context,
+                session_device_ids=self._colocated_on(run.link.worker_id),
             )
             replies.append((run.link, run.link.request(pb.Command(run_program=command), "run_program")))
         for link, reply in replies:
@@ -712,6 +732,11 @@ class ClusterSession:
             except RequestError as error:
                 raise explain_failure(error, self._island_links(link.island)) from None
         return values
+
+    def _colocated_on(self, worker_id: str) -> dict[int, int]:
+        """The worker's colocated CPU devices of this session: local id -> the session's id for each."""
+        devices = (self._devices[d] for d in self._colocated_device_ids)
+        return {device.local_id: device.id for device in devices if device.worker_id == worker_id}
 
     def _off_groups(self, value):
         """``value`` on its islands' own workers: as it is, or, if it lives on a group of islands, sent there shard
@@ -790,22 +815,116 @@ class ClusterSession:
         """Ends the allocation while the session is suspended (its streams to the workers stay open)."""
         self._lease.release()
 
+    @property
+    def physical_device_ids(self) -> tuple[int, ...]:
+        """The cluster's devices that serve the session's now (or will, once it resumes)."""
+        return tuple(self._physical[d] for d in self._device_ids)
+
     def allocation_request(self) -> pb.AllocateRequest:
-        """What the session asks for to resume: exactly its devices again, at its priority, for as long as it waits."""
+        """What the session asks for to resume, at its priority, for as long as it waits: the devices it had (its
+        arrays are there), or others of the same shape where those are taken or drained."""
         options = self.options
         return pb.AllocateRequest(
             tenant=options.tenant,
             exclusive=options.exclusive,
             num_devices=len(self._device_ids),
             priority=options.priority,
-            want_device_ids=self._device_ids,
+            islands=options.islands,
+            want_device_ids=self.physical_device_ids,
+            want_same_shape=True,
         )
 
     def take_devices(self, lease: Lease) -> None:
-        """Holds the allocation that gave the session its devices again (the same ones: ``allocation_request``)."""
+        """Holds the allocation that gave the session its devices again (``allocation_request``: the same ones, or
+        others like them, which ``relocate`` moves the session to)."""
         lease.on_wanted = self._lease.on_wanted
         self._lease = lease
         lease.hold(self.session_id)
+
+    def relocate(self, values: Sequence) -> list[tuple[WorkerLink, Pending]]:
+        """Moves the suspended session to the devices its new lease granted, if they are others (virtual devices).
+
+        The client's device ids stay; each now means the granted device at the same place (host order, local
+        id). Each old worker sends the session's arrays in ``values`` (its suspended host copies) straight to its
+        new worker, which puts them on the devices; the proxy's references point there at once (commands that use
+        them wait there for them). Programs compile on the new workers at their first use there, in the same local
+        ids. Returns each old worker's pending answer; then ``drop_links`` ends the streams to them.
+        """
+        granted = list(self._lease.granted.devices)
+        if sorted(d.id for d in granted) == sorted(self.physical_device_ids):
+            return []
+        old = [self._devices[d] for d in self._device_ids]
+        new = _same_places(old, granted)
+        moved: list[pb.Device] = []
+        for before, after in zip(old, new, strict=True):
+            device = pb.Device()
+            device.CopyFrom(after)
+            device.id = before.id
+            if device.HasField("colocated"):
+                device.colocated.id = before.colocated.id
+            moved.append(device)
+            self._physical[before.id] = after.id
+        workers = {before.worker_id: after for before, after in zip(old, moved, strict=True)}
+        self._take(moved)
+        _LOGGER.info(
+            "session %d moves to devices %s (its client's %s)", self.session_id, [d.id for d in new], self._device_ids
+        )
+        with self._lock:
+            links = {worker_id: self._links.get(worker_id) for worker_id in workers}
+        asked = []
+        for worker_id, target_device in workers.items():
+            source = links[worker_id]
+            if source is None or not source.alive:
+                continue  # nothing there, or lost with its worker (reading it says so)
+            asked.append((source, self._send_suspended(source, self._link(target_device), values)))
+        return asked
+
+    def _send_suspended(self, source: WorkerLink, target: WorkerLink, values: Sequence) -> Pending:
+        """Has ``source``'s worker send its suspended arrays among ``values`` to ``target``'s; re-points them."""
+        arrays = [a for a in _remote_arrays(values) if a.link is source and not a.is_deleted()]
+        relocate = pb.Relocate(peer_address=target.address, peer_session=target.session_key)
+        relocate.peer_host_key = target.host_key
+        for array in arrays:
+            where = {d: self._device(d) for d in array.sharding.device_ids}
+            relocate.ids.append(array.array_id)
+            relocate.new_ids.append(target.new_id())
+            relocate.metas.add().CopyFrom(array_meta(array.kind, array.shape, self._local(array.sharding, where)))
+        sent = source.request(pb.Command(relocate=relocate), "relocate")
+        for array, new_id, meta in zip(arrays, relocate.new_ids, relocate.metas, strict=True):
+            target.send(pb.Command(expect=pb.Expect(id=new_id, meta=meta)))
+            sent.on_done(
+                lambda _reply, error, new_id=new_id, meta=meta: _fail_if_not_sent(error, source, target, new_id, meta)
+            )
+            array.link, array.array_id = target, new_id
+        return sent
+
+    def drop_links(self, links: Sequence[WorkerLink]) -> None:
+        """Ends the streams to workers the session moved away from (their sessions there end, and their copies)."""
+        with self._lock:
+            for link in links:
+                if self._links.get(link.worker_id) is link:
+                    del self._links[link.worker_id]
+        for link in links:
+            link.close()
+
+    def on_drain(self, check: Callable[[], None]) -> None:
+        """``check()`` whenever the cluster says hosts are being drained."""
+        self._on_drain = check
+
+    def hosts_draining(self) -> None:
+        if self._on_drain is not None:
+            self._on_drain()
+
+    def draining_hosts(self) -> list[str]:
+        """The hosts being drained where the session keeps arrays (it has a stream to their workers)."""
+        with self._lock:
+            links = list(self._links.values())
+        found = []
+        for link in links:
+            worker = self.cluster.worker(link.worker_id)
+            if link.alive and worker is not None and worker.draining:
+                found.append(f"island {worker.island} host {worker.host_index}")
+        return found
 
     # -- ending ----------------------------------------------------------------------------
 
@@ -827,6 +946,36 @@ def _fail_if_not_sent(error: BaseException | None, source: WorkerLink, target: W
         target.send(pb.Command(expect=pb.Expect(id=array_id, meta=meta, error=status_of(failure, message))))
     except RequestError:
         pass  # the target is gone too: its own loss fails the array
+
+
+def _remote_arrays(values: Sequence) -> list[RemoteArray]:
+    """The remote arrays that hold ``values`` (a parted array's parts; each once)."""
+    found: dict[int, RemoteArray] = {}
+    for value in values:
+        for part in value.parts if isinstance(value, PartedArray) else [value]:
+            if isinstance(part, RemoteArray):
+                found[id(part)] = part
+    return list(found.values())
+
+
+def _same_places(old: Sequence[pb.Device], granted: Sequence[pb.Device]) -> list[pb.Device]:
+    """For each of ``old``, the granted device at its place: the same local id on the host at the same position
+    among the hosts (by host index). Raises if the grant is not of the same shape."""
+
+    def hosts(devices: Sequence[pb.Device]) -> list[dict[int, pb.Device]]:
+        by_host: dict[tuple[int, int], dict[int, pb.Device]] = {}
+        for device in devices:
+            by_host.setdefault((device.island, device.host_index), {})[device.local_id] = device
+        return [by_host[key] for key in sorted(by_host)]
+
+    before, after = hosts(old), hosts(granted)
+    if [sorted(h) for h in before] != [sorted(h) for h in after]:
+        raise Unavailable(
+            f"the resource manager granted devices {sorted(d.id for d in granted)}, not of the shape of the "
+            "session's; it stays suspended"
+        )
+    place = {id(device): index for index, host in enumerate(before) for device in host.values()}
+    return [after[place[id(device)]][device.local_id] for device in old]
 
 
 def _colocated_device(device: pb.Device) -> pb.Device:

@@ -12,6 +12,7 @@ from pathways_nb._version import __version__
 from pathways_nb.core import session_options, tuning
 from pathways_nb.core.host_profiler import XPLANE_SUFFIX, check_session_name, session_location
 from pathways_nb.protocol.errors import InvalidRequest, NotFound, RequestError, grpc_code
+from pathways_nb.proxy.cluster_runtime import ClusterRuntime
 from pathways_nb.proxy.connection_output import ConnectionOutput
 from pathways_nb.proxy.context import ProxyContext
 from pathways_nb.proxy.service import IfrtProxyService
@@ -154,6 +155,19 @@ class ObserveService(cluster_pb2_grpc.ObserveServicer):
             await asyncio.gather(*moves)
         return pb.SessionControlResponse(sessions=[session_info(session) for session in chosen])
 
+    async def Drain(self, request, context):
+        """Drains a host of the cluster (an operator's: the cluster token), or puts it back in service."""
+        runtime = self.context.runtime
+        if not isinstance(runtime, ClusterRuntime):
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this proxy serves its own devices, not a cluster's: there are no hosts to drain",
+            )
+        try:
+            return await runtime.drain(request)
+        except RequestError as error:
+            await context.abort(grpc_code(error), error.message)
+
     def _chosen_sessions(self, request: pb.SessionControl) -> list:
         """The sessions a ControlSessions call names: its connection's, those with the ids given, or (LIST) all."""
         sessions = self.service.sessions()
@@ -194,4 +208,6 @@ def session_info(session) -> pb.SessionInfo:
     if session.suspension is not None:
         for name, value in session.suspension.info().items():
             setattr(info, name, value)
+        # The cluster's devices (where it runs, or will resume): its client's ids stay, if it moved.
+        info.device_ids[:] = session.suspension.physical_device_ids
     return info

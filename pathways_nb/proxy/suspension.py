@@ -3,14 +3,18 @@
 A suspended session keeps everything but its devices: its arrays wait in its workers' host memory
 (``worker.suspended``), its compiled programs stay loaded there, its handles stay valid in the
 client. Its client is never told: a request that arrives while the session is suspended is held,
-in order, and resumes it; once its devices are back (the same ones: its programs were compiled for
-them), the held requests are served as if they had just arrived. The client sees latency, never an
-error.
+in order, and resumes it; once it has devices again, the held requests are served as if they had just
+arrived. The client sees latency, never an error.
+
+It resumes on the devices it had where it can (its arrays are there), else on others of the same shape
+(virtual devices: ``ClusterSession.relocate`` moves its arrays between workers, its programs compile
+there at their first use, and its client's device ids stay what they were).
 
 Who suspends: the session's client or an operator (``Observe.ControlSessions``); the resource
 manager, through the session's allocation (``Wanted``), when a request of a higher priority waits
 for its devices (preemption), or when one waits and the session has been idle for the cluster's
-``--suspend_idle_after`` (or always, with ``--suspend_idle_always``).
+``--suspend_idle_after`` (or always, with ``--suspend_idle_always``), or when an operator drains a host
+of its devices (then it resumes elsewhere at once, as does a suspended session whose arrays are there).
 
 All of it runs on the proxy's loop and never waits there: the workers' answers and the allocation
 are awaited, and a request costs the running session one comparison and one clock read.
@@ -67,6 +71,7 @@ class Suspension:
         self._idle_always = allocation.suspend_idle_always
         self._idle_timer: asyncio.TimerHandle | None = None
         devices.on_wanted(self._on_wanted)
+        devices.on_drain(self._check_drain)
         self._watch_idle()
 
     @classmethod
@@ -133,6 +138,8 @@ class Suspension:
             return
         if self.state is State.suspended and self._held:
             self._start(self._resume("a request arrived"))
+        else:
+            self._check_drain()
 
     def _enter(self, state: State, reason: str) -> None:
         self.state, self.reason, self.since = state, reason, time.time()
@@ -162,6 +169,10 @@ class Suspension:
         self._enter(State.resuming, reason)
         self._devices.take_devices(lease)
         with session.context.activities.track("resume", "resuming", session.tenant, self.suspended_bytes):
+            values = [record.value for record in session.arrays.values() if record.ready and record.error is None]
+            moves = self._devices.relocate(values)
+            await self._on_workers(moves, "moving to other devices")
+            self._devices.drop_links([link for link, _pending in moves])
             await self._on_workers(self._devices.resume_on_workers(), "resuming")
         session.events(
             event("resume", f"resumed: {reason}", self._devices.device_ids, started, time.time(), self.suspended_bytes)
@@ -220,7 +231,9 @@ class Suspension:
         if self.refusal():
             _LOGGER.info("%s wants its devices, but %s", wanted.by, self.refusal())
             return
-        if wanted.preempt:
+        if wanted.drain:
+            self._start(self._suspend(f"{wanted.by}"))
+        elif wanted.preempt:
             self._start(self._suspend(f"preempted by {wanted.by}"))
         else:
             self._check_idle()
@@ -247,6 +260,14 @@ class Suspension:
             return
         self._watch_idle()
 
+    def _check_drain(self) -> None:
+        """A suspended session whose arrays are on a host being drained resumes elsewhere (or waits to)."""
+        if self.state is not State.suspended or self._move is not None or self._session.closed:
+            return
+        hosts = self._devices.draining_hosts()
+        if hosts:
+            self._start(self._resume(f"{', '.join(hosts)} is being drained"))
+
     # -- ending ----------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -256,6 +277,10 @@ class Suspension:
         if self._move is not None:
             self._move.cancel()
         self._held.clear()
+
+    @property
+    def physical_device_ids(self) -> tuple[int, ...]:
+        return self._devices.physical_device_ids
 
     def info(self) -> dict[str, Any]:
         """The session's state for ``SessionInfo``."""

@@ -7,6 +7,14 @@ behind it, so it is never starved. The queue is in priority order, higher
 first, and first come, first served among equal priorities; a request that
 conflicts with nobody waiting ahead of it does not wait for them.
 
+A suspended session resuming asks for the devices it had (``want``), and, where those are taken,
+away or drained, accepts others of the same shape (``same_shape``): as many on one host under the
+same local ids, or, for a session over several hosts of an island, another island's hosts at the same
+host indices. Its proxy moves its arrays there (virtual devices: the client's ids stay the same).
+
+An operator drains a host: its devices go to nobody new, and those holding them are asked to suspend
+at once (to resume elsewhere).
+
 A request blocked by granted ones asks them to suspend (their proxies move
 their sessions off the devices and release them): at once if it has a higher
 priority than theirs (preemption), else once they are idle, if the cluster's
@@ -51,6 +59,7 @@ class Ticket:
     islands: tuple[int, ...]
     priority: int = 0
     want: tuple[int, ...] = ()  # exactly these devices (a suspended session resuming), sorted
+    same_shape: bool = False  # with ``want``: or devices of the same shape, where those are not to be had
     created: float = field(default_factory=time.monotonic)
     devices: tuple[int, ...] | None = None
     holding: bool = False  # its devices are recorded as held
@@ -81,6 +90,8 @@ class Allocator:
         self._held_exclusively: dict[int, int] = {}
         # The grants told that a request wants their devices (``told.by`` set).
         self._asked: set[Ticket] = set()
+        # Hosts an operator drains, (island, host index): their devices go to nobody new.
+        self.draining: set[tuple[int, int]] = set()
 
     def submit(
         self,
@@ -90,18 +101,20 @@ class Allocator:
         islands: tuple[int, ...],
         priority: int = 0,
         want: tuple[int, ...] = (),
+        same_shape: bool = False,
     ) -> Ticket:
         """Queues a request: behind those of its priority or a higher one. With ``want``, for exactly
-        those devices (``num_devices`` and ``islands`` are ignored)."""
+        those devices (``num_devices`` is ignored), or, ``same_shape``, others like them on ``islands`` (if any)."""
         want = tuple(sorted(set(want)))
         ticket = Ticket(
             f"alloc-{self._prefix}-{next(self._ids)}",
             tenant or ANONYMOUS,
             exclusive,
             len(want) if want else num_devices,
-            () if want else islands,
+            islands if same_shape or not want else (),  # (a resume: where others of the same shape may be)
             priority,
             want,
+            same_shape=same_shape and bool(want),
         )
         self.queue.insert(bisect.bisect_right(self.queue, -priority, key=lambda t: -t.priority), ticket)
         return ticket
@@ -148,6 +161,8 @@ class Allocator:
         for ticket in list(self.queue):
             pool = self._pool(ticket, registry)
             wanted = self._candidates(ticket, pool)
+            if (wanted is None or not blocked.isdisjoint(wanted)) and ticket.same_shape:
+                wanted = self._same_shape(ticket, registry, blocked)
             if wanted is not None and blocked.isdisjoint(wanted):
                 ticket.devices = wanted
                 self.queue.remove(ticket)
@@ -161,6 +176,10 @@ class Allocator:
         """Updates what each grant is told (``told``) of the queued requests that ask it to suspend; returns
         the grants whose news changed. Call it after ``grant``: every queued request is then blocked."""
         asks: dict[Ticket, pb.Wanted] = {}
+        for host in sorted(self.draining):  # first: a drain is told before any request
+            by = f"an operator draining island {host[0]} host {host[1]}"
+            for holder in self.holders_on(registry, host):
+                asks.setdefault(holder, pb.Wanted(by=by, preempt=True, drain=True))
         for waiter in self.queue:  # highest priority first: the first to ask a holder is the one it is told of
             for holder, now in self._asks(waiter, self._blockers(waiter, registry)).items():
                 if holder not in asks:
@@ -211,10 +230,13 @@ class Allocator:
         ahead = self.queue.index(ticket) if ticket in self.queue else 0
         kind = "exclusive use of" if ticket.exclusive else "a share of"
         if ticket.want:
-            what = f"the devices {list(ticket.want)} again"
+            what = f"the devices {list(ticket.want)} again" + (" or others like them" if ticket.same_shape else "")
             away = [device for device in ticket.want if registry.device(device) is None]
             if away:
                 what += f" (the worker of {away} is not registered now)"
+            drained = sorted({(d.island, d.host_index) for d in map(registry.device, ticket.want) if self._drained(d)})
+            if drained:
+                what += f" ({', '.join(f'island {i} host {h}' for i, h in drained)} is being drained)"
         else:
             what = f"{ticket.num_devices or len(self._pool(ticket, registry))} devices" + (
                 f" on islands {list(ticket.islands)}" if ticket.islands else ""
@@ -235,12 +257,74 @@ class Allocator:
 
     # -- selection -------------------------------------------------------------------------
 
-    @staticmethod
-    def _pool(ticket: Ticket, registry: Registry) -> list[int]:
-        """The devices a request may be granted, sorted (of those it wants again, the registered ones)."""
+    def _pool(self, ticket: Ticket, registry: Registry) -> list[int]:
+        """The devices a request may be granted, sorted (of those it wants again, the registered ones), but
+        none of a host being drained."""
         if ticket.want:
-            return [device for device in ticket.want if registry.device(device) is not None]
-        return registry.device_ids(ticket.islands)
+            return [d for d in ticket.want if (device := registry.device(d)) is not None and not self._drained(device)]
+        pool = registry.device_ids(ticket.islands)
+        if self.draining:
+            pool = [d for d in pool if not self._drained(registry.device(d))]
+        return pool
+
+    def _drained(self, device: pb.Device | None) -> bool:
+        return device is not None and (device.island, device.host_index) in self.draining
+
+    def holders_on(self, registry: Registry, host: tuple[int, int]) -> set[Ticket]:
+        """The grants that hold devices of ``host`` (island, host index)."""
+        found: set[Ticket] = set()
+        for entry in registry.island_workers(host[0]):
+            if entry.host_index == host[1]:
+                for device_id in entry.device_ids:
+                    found.update(self._holders.get(device_id, ()))
+        return found
+
+    def _same_shape(self, ticket: Ticket, registry: Registry, blocked: set[int]) -> tuple[int, ...] | None:
+        """Devices like those ``ticket`` wants (the lowest ids that are free), or None.
+
+        Like them: of the same platform and kind, as many on each host under the same local ids (the
+        session's programs are compiled in local ids); a session over several hosts moves to another
+        island's hosts at the same host indices. Only on the islands the session asked for. Takes time in
+        the size of the cluster: only a resume whose devices are taken looks.
+        """
+        devices = [registry.device(d) for d in ticket.want]
+        if any(device is None for device in devices):
+            return None  # (a worker away since a restart of the resource manager: its shape is not known)
+        shape: dict[int, set[int]] = {}
+        for device in devices:
+            shape.setdefault(device.host_index, set()).add(device.local_id)
+        kinds = {(device.platform, device.kind) for device in devices}
+        islands = {device.island for device in devices}
+        if len(kinds) != 1 or len(islands) != 1:
+            return None
+        unavailable = self._holders if ticket.exclusive else self._held_exclusively
+
+        def free_on(entry, local_ids: set[int]) -> list[int] | None:
+            if not entry.healthy or entry.group or (entry.island, entry.host_index) in self.draining:
+                return None
+            if ticket.islands and entry.island not in ticket.islands:
+                return None
+            chosen = [d.id for d in entry.devices if d.local_id in local_ids and (d.platform, d.kind) in kinds]
+            if len(chosen) != len(local_ids) or any(d in unavailable or d in blocked for d in chosen):
+                return None
+            return chosen
+
+        options: list[tuple[int, ...]] = []
+        if len(shape) == 1:
+            (local_ids,) = shape.values()
+            for entry in registry.workers.values():
+                chosen = free_on(entry, local_ids)
+                if chosen is not None:
+                    options.append(tuple(sorted(chosen)))
+        else:
+            for island in registry.islands():
+                hosts = {entry.host_index: entry for entry in registry.island_workers(island)}
+                if island in islands or not set(shape) <= set(hosts):
+                    continue
+                chosen = [free_on(hosts[index], local_ids) for index, local_ids in shape.items()]
+                if all(part is not None for part in chosen):
+                    options.append(tuple(sorted(d for part in chosen for d in part)))
+        return min(options, default=None)
 
     @staticmethod
     def _wanted_devices(ticket: Ticket, pool: list[int]) -> list[int]:

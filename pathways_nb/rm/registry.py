@@ -249,6 +249,10 @@ class Registry:
         self._changed.add(entry.worker_id)
         return True
 
+    def mark_changed(self, entry: WorkerEntry) -> None:
+        """Watchers are sent the worker's state again (its drain, which the registry does not keep, changed)."""
+        self._changed.add(entry.worker_id)
+
     def report_load(self, entry: WorkerEntry, load: pb.WorkerLoad) -> None:
         entry.load = load
         self._changed.add(entry.worker_id)

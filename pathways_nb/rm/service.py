@@ -117,9 +117,11 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
 
     def _publish(self) -> None:
         changed = self.registry.take_changes()
+        # A drained host's status follows grants and its load: sent with every update while it drains.
+        draining = [e for e in self.registry.workers.values() if self._draining(e) and e not in changed]
         delta = self._summary()
         delta.delta = True
-        delta.workers.extend(self.registry.worker_states(changed))
+        delta.workers.extend(self._worker_states([*changed, *draining]))
         for entry in changed:  # not for a worker whose load alone changed
             if entry.devices_changed:
                 delta.devices.extend(entry.devices)
@@ -353,6 +355,7 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
             tuple(request.islands),
             request.priority,
             tuple(request.want_device_ids),
+            request.want_same_shape,
         )
         deadline = time.monotonic() + request.timeout_s if request.timeout_s else None
         try:
@@ -461,10 +464,58 @@ class ResourceManagerService(cluster_pb2_grpc.ResourceManagerServicer):
             if version == self._version and now - built < self.publish_interval_s:
                 return state
         state = self._summary()
-        state.workers.extend(self.registry.worker_states())
+        state.workers.extend(self._worker_states())
         state.devices.extend(self.registry.devices())
         self._cached = (self._version, now, state)
         return state
+
+    def _worker_states(self, entries: list[WorkerEntry] | None = None) -> list[pb.WorkerState]:
+        """The registry's worker states, with how far each host being drained is."""
+        states = self.registry.worker_states(entries)
+        for state in states:
+            if (state.island, state.host_index) in self.allocator.draining:
+                state.draining = True
+                state.drain_status = self._drain_status(state)
+        return states
+
+    def _draining(self, entry: WorkerEntry) -> bool:
+        return not entry.group and (entry.island, entry.host_index) in self.allocator.draining
+
+    def _drain_status(self, state: pb.WorkerState) -> str:
+        """What keeps a host being drained, or "drained" (no grant holds its devices, no session keeps arrays
+        there, or its worker is down: stopping it loses nothing more)."""
+        holders = self.allocator.holders_on(self.registry, (state.island, state.host_index))
+        if holders:
+            tenants = ", ".join(sorted({holder.tenant for holder in holders}))
+            return f"draining: {len(holders)} allocation(s) of {tenants} hold its devices (asked to suspend)"
+        if state.healthy and state.load.session_arrays:
+            return (
+                f"draining: suspended sessions keep {state.load.session_arrays} arrays there "
+                "(they move once devices like theirs are free)"
+            )
+        return "drained"
+
+    async def Drain(self, request, context):
+        """Drains a host, or puts it back in service (``undo``); answers with its state."""
+        host = (request.island, request.host_index)
+        entry = self.registry.workers.get(f"island{request.island}-host{request.host_index}")
+        if entry is None:
+            known = sorted((e.island, e.host_index) for e in self.registry.workers.values() if not e.group)
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"no host {request.island}/{request.host_index} in this cluster (ISLAND/HOST: "
+                f"{', '.join(f'{i}/{h}' for i, h in known) or 'none registered'}); nothing was drained",
+            )
+        if request.undo:
+            self.allocator.draining.discard(host)
+            _LOGGER.info("island %d host %d is back in service", *host)
+        elif host not in self.allocator.draining:
+            self.allocator.draining.add(host)
+            _LOGGER.info("draining island %d host %d: its sessions are asked to suspend", *host)
+        self.registry.mark_changed(entry)
+        self._grant()
+        self._changed()
+        return self._worker_states([entry])[0]
 
     async def Profile(self, request, context):
         """Starts or stops a trace of this process (the proxy asks, for a client's profile); the stop returns it."""

@@ -86,6 +86,11 @@ class ResourceManagerStub:
                 request_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.FormGroupRequest.SerializeToString,
                 response_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.GroupState.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/pathways_nb.v1.ResourceManager/Drain',
+                request_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.DrainRequest.SerializeToString,
+                response_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.WorkerState.FromString,
+                _registered_method=True)
 
 
 class ResourceManagerServicer:
@@ -180,6 +185,15 @@ class ResourceManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Drains a host (or, with undo, puts it back in service): its devices go to nobody new, the
+        sessions holding them are asked to suspend (AllocateUpdate.wanted, drain) and resume on other
+        devices of the same shape. Answers at once with the host's state; WorkerState.drain_status follows it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ResourceManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -232,6 +246,11 @@ def add_ResourceManagerServicer_to_server(servicer, server):
                     servicer.FormGroup,
                     request_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.FormGroupRequest.FromString,
                     response_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.GroupState.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.DrainRequest.FromString,
+                    response_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.WorkerState.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -516,6 +535,33 @@ class ResourceManager:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pathways_nb.v1.ResourceManager/Drain',
+            pathways__nb_dot_rpc_dot_cluster__pb2.DrainRequest.SerializeToString,
+            pathways__nb_dot_rpc_dot_cluster__pb2.WorkerState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class ObserveStub:
     """Served by the proxy, next to the IFRT proxy service: what notebooks show.
@@ -576,6 +622,11 @@ class ObserveStub:
                 '/pathways_nb.v1.Observe/ControlSessions',
                 request_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.SessionControl.SerializeToString,
                 response_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.SessionControlResponse.FromString,
+                _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/pathways_nb.v1.Observe/Drain',
+                request_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.DrainRequest.SerializeToString,
+                response_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.WorkerState.FromString,
                 _registered_method=True)
 
 
@@ -660,6 +711,13 @@ class ObserveServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """An operator drains a host (ResourceManager.Drain, through the proxy); needs the cluster token.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ObserveServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -712,6 +770,11 @@ def add_ObserveServicer_to_server(servicer, server):
                     servicer.ControlSessions,
                     request_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.SessionControl.FromString,
                     response_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.SessionControlResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=pathways__nb_dot_rpc_dot_cluster__pb2.DrainRequest.FromString,
+                    response_serializer=pathways__nb_dot_rpc_dot_cluster__pb2.WorkerState.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -985,6 +1048,33 @@ class Observe:
             '/pathways_nb.v1.Observe/ControlSessions',
             pathways__nb_dot_rpc_dot_cluster__pb2.SessionControl.SerializeToString,
             pathways__nb_dot_rpc_dot_cluster__pb2.SessionControlResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pathways_nb.v1.Observe/Drain',
+            pathways__nb_dot_rpc_dot_cluster__pb2.DrainRequest.SerializeToString,
+            pathways__nb_dot_rpc_dot_cluster__pb2.WorkerState.FromString,
             options,
             channel_credentials,
             insecure,

@@ -140,23 +140,24 @@ class ColocatedPython:
         to ``context.output``, tagged with ``context.output_context``."""
         if not self._cluster_ids:
             raise FailedPrecondition("this worker has not registered its colocated CPU devices yet; try again")
-        executor = self.host.executor(context.session, context.tenant, list(self._cluster_ids.values()), context.output)
+        ids = context.session_device_ids or self._cluster_ids  # the ids the session knows them by
+        executor = self.host.executor(context.session, context.tenant, list(ids.values()), context.output)
         versions = {"python": call.client_python, "jax": call.client_jax, "cloudpickle": call.client_cloudpickle}
         digest = hashlib.sha256(call.program).digest()
         expected = [ResultShape(r.kind, tuple(r.shape), r.sharding.shard_shape(tuple(r.shape))) for r in results]
-        arguments = [self._shards(pieces) for pieces in args]
+        arguments = [self._shards(pieces, ids) for pieces in args]
         outputs = executor.run(call.name, digest, call.program, arguments, expected, versions, context.output_context)
-        return [self._value(output, result) for output, result in zip(outputs, results, strict=True)]
+        return [self._value(output, result, ids) for output, result in zip(outputs, results, strict=True)]
 
-    def _shards(self, pieces: Sequence[Any]) -> ArrayShards:
-        """One argument's shards on this host, by the cluster ids of their devices."""
+    def _shards(self, pieces: Sequence[Any], ids: dict[int, int]) -> ArrayShards:
+        """One argument's shards on this host, by the session's ids of their devices (``ids``: local -> those)."""
         shards, kinds = {}, set()
         for piece in pieces:
             if isinstance(piece, StringArray):
                 raise InvalidRequest("colocated Python takes no string arrays as arguments here")
             kinds.add(colocated_arrays.kind_of(np.dtype(piece.dtype)))
             for shard in piece.addressable_shards:
-                cluster_id = self._cluster_ids.get(shard.device.id)
+                cluster_id = ids.get(shard.device.id)
                 if cluster_id is None:
                     raise InvalidRequest(
                         f"an argument lives on {shard.device}, not on a colocated CPU device: put it there first "
@@ -167,11 +168,11 @@ class ColocatedPython:
             raise InvalidRequest(f"an argument whose pieces have {len(kinds)} dtypes")
         return ArrayShards(kinds.pop(), tuple(pieces[0].shape) if len(pieces) == 1 else (), shards)
 
-    def _value(self, output: ArrayShards, result: nonxla.ResultSpec):
+    def _value(self, output: ArrayShards, result: nonxla.ResultSpec, ids: dict[int, int]):
         """A result as this worker holds it: a string array, or an array on its colocated CPU devices."""
         local_ids = self.runtime.local_part(result.sharding).device_ids
         try:
-            shards = [output.shards[self._cluster_ids[local]] for local in local_ids]
+            shards = [output.shards[ids[local]] for local in local_ids]
         except KeyError as missing:
             raise InvalidRequest(f"the executor returned no shard for device {missing}") from None
         if result.kind == colocated_arrays.STRING_KIND:  # strings are host values here (core.string_arrays)

@@ -9,7 +9,7 @@ holds. The resource manager is told only what changed (``worker.server``).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from pathways_nb.core import tuning
 from pathways_nb.rpc import cluster_pb2 as pb
@@ -19,7 +19,7 @@ from pathways_nb.worker.runtime import LocalRuntime
 class LoadGauge:
     """Measures the load of the worker serving ``runtime``'s devices with ``sessions()`` open."""
 
-    def __init__(self, runtime: LocalRuntime, sessions: Callable[[], int]):
+    def __init__(self, runtime: LocalRuntime, sessions: Callable[[], Collection]):
         self._runtime = runtime
         self._sessions = sessions
         self._took_s = 0.0
@@ -27,8 +27,10 @@ class LoadGauge:
     def measure(self) -> pb.WorkerLoad:
         started = time.perf_counter()
         arrays = self._runtime.client.live_arrays()
+        sessions = list(self._sessions())
         load = pb.WorkerLoad(
-            sessions=self._sessions(),
+            sessions=len(sessions),
+            session_arrays=sum(len(session.arrays) for session in sessions),
             arrays=len(arrays),
             array_bytes=sum(array.nbytes for array in arrays),
             device_bytes=_device_bytes(self._runtime),

@@ -119,7 +119,7 @@ class WorkerServer:
         )
         self._stopped = threading.Event()
         self._on_fatal = on_fatal or (lambda _why: self.stop())
-        self._load = LoadGauge(runtime, lambda: len(self.service.sessions))
+        self._load = LoadGauge(runtime, lambda: self.service.sessions.values())
         self._attaching = True  # False while the resource manager has no Attach (heartbeats instead)
         self._update_interval_s = 1.0
         self._attachment: tuple[grpc.Call, threading.Event] | None = None  # the open stream, and what ends it

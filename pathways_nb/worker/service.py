@@ -219,7 +219,7 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
                 _LOGGER.debug("array %d: %s; asking the sender for the bytes over gRPC", header.id, error)
                 return pb.PushArrayResponse(not_shared=True)
         error = header.error if header.HasField("error") else None
-        session.arrive(header.id, header.meta, data, error)
+        session.arrive(header.id, header.meta, data, error, header.shard_devices)
         return pb.PushArrayResponse()
 
     async def _session_for_push(self, key: str) -> WorkerSession | None:

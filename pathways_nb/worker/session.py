@@ -44,7 +44,7 @@ from pathways_nb.worker.gang import IslandOrder
 from pathways_nb.worker.programs import Programs
 from pathways_nb.worker.runtime import LocalRuntime
 from pathways_nb.worker.share import FairShare
-from pathways_nb.worker.suspended import HostBudget, HostCopy, movable, to_devices, to_host
+from pathways_nb.worker.suspended import HostBudget, HostCopy, from_shards, movable, to_devices, to_host
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ class WorkerSession:
         try:
             if kind is None:
                 raise InvalidRequest("a command with no operation")
-            if self.suspended and kind not in ("resume", "forget"):
+            if self.suspended and kind not in ("resume", "forget", "relocate"):
                 raise FailedPrecondition(f"session {self.key} is suspended: resume it before sending {kind}")
             getattr(self, f"_{kind}")(body)
         except Exception as error:  # noqa: BLE001 - one bad command must not end the session
@@ -245,7 +245,13 @@ class WorkerSession:
         del self._uploads[command.id]
         self._store(record, command.meta, buffer)
 
-    def _store(self, record: ArrayRecord, meta: pb.ArrayMeta, data: bytes | bytearray | pb.SharedFile) -> None:
+    def _store(
+        self,
+        record: ArrayRecord,
+        meta: pb.ArrayMeta,
+        data: bytes | bytearray | pb.SharedFile,
+        shard_devices: tuple[int, ...] = (),
+    ) -> None:
         """Puts arrived bytes (or the shared file that holds them) on the devices as ``record``'s value.
 
         A large one on the pool: copying it to the devices on the loop would hold every session's
@@ -254,6 +260,8 @@ class WorkerSession:
 
         def put():
             host = _take(data) if isinstance(data, pb.SharedFile) else data
+            if shard_devices:
+                return from_shards(self.runtime, host, meta, shard_devices)
             return self.runtime.put(host_array(host, meta), sharding_from_proto(meta.sharding))
 
         def done(value, error: RequestError | None) -> None:
@@ -564,27 +572,12 @@ class WorkerSession:
 
         def push():
             started = time.time()
-            chunk, host, way = header(), None, "over gRPC"
             try:
-                if self._outbox is not None and self._outbox.shares_host(command.peer_host_key):
-                    shared = read_shared()
-                    if shared is not None:
-                        chunk.shared.CopyFrom(shared)
-                if not chunk.HasField("shared"):
-                    host = read()
+                nbytes, way = self._deliver(command.peer_address, command.peer_host_key, header, read, read_shared)
             except Exception as error:  # noqa: BLE001 - the receiver's copy fails with it
                 failure = as_request_error(error)
                 tell_peer(failure)
                 raise failure from None
-            if chunk.HasField("shared"):
-                if self._push(command.peer_address, chunk, None):
-                    way = "through shared memory"
-                else:
-                    _LOGGER.debug("session %s: %s could not take a shared file; sending over gRPC", self.key, chunk)
-                    host = read()
-            if host is not None:
-                self._push(command.peer_address, header(), host)
-            nbytes = host.nbytes if host is not None else chunk.shared.size
             devices = sorted(d.id for d in source.value.devices())
             name = f"to {command.peer_address} {way}"
             self._events(event("transfer", name, devices, started, time.time(), nbytes))
@@ -612,20 +605,94 @@ class WorkerSession:
 
         run_after([source], lambda: self._background(push, pushed), self.on_loop, on_error=on_error)
 
+    def _deliver(
+        self,
+        address: str,
+        host_key: str,
+        header: Callable[[], pb.ArrayChunk],
+        read: Callable[[], np.ndarray],
+        read_shared: Callable[[], pb.SharedFile | None] | None = None,
+    ) -> tuple[int, str]:
+        """Pushes an array to a peer worker (blocks: on the pool): in a shared file where the peer shares this host
+        and takes it, else over gRPC. Returns how many bytes went, and which way."""
+        if self._outbox is not None and self._outbox.shares_host(host_key):
+            shared = read_shared() if read_shared is not None else self._write_shared(read())
+            if shared is not None:
+                chunk = header()
+                chunk.shared.CopyFrom(shared)
+                if self._push(address, chunk, None):
+                    return shared.size, "through shared memory"
+                _LOGGER.debug("session %s: %s could not take a shared file; sending over gRPC", self.key, address)
+        host = read()
+        self._push(address, header(), host)
+        return host.nbytes, "over gRPC"
+
+    def _relocate(self, command: pb.Relocate) -> None:
+        """Sends suspended arrays, shard by shard, to the session's stream on another worker (the session moves to
+        devices of the same shape there: ``proxy.cluster_session``); replies done once all went."""
+        if not (len(command.ids) == len(command.new_ids) == len(command.metas)):
+            raise InvalidRequest(
+                f"relocate names {len(command.ids)} arrays, {len(command.new_ids)} new ids, {len(command.metas)} metas"
+            )
+        records = [self._record(array_id) for array_id in command.ids]
+
+        def send_all() -> None:
+            started, total = time.time(), 0
+            for record, new_id, meta in zip(records, command.new_ids, command.metas, strict=True):
+                header, read = self._relocated(record, new_id, meta, command.peer_session)
+                if read is None:
+                    self._push(command.peer_address, header(), None)
+                    continue
+                total += self._deliver(command.peer_address, command.peer_host_key, header, read)[0]
+            name = f"moving {len(records)} arrays to {command.peer_address}"
+            self._events(event("transfer", name, [], started, time.time(), total))
+
+        def sent(_result, error: RequestError | None) -> None:
+            reply = pb.Reply(request=command.request, done=True)
+            if error is not None:
+                reply = pb.Reply(request=command.request, error=status_of(error))
+            self._reply(reply)
+
+        self._background(send_all, sent)
+
+    def _relocated(self, record: ArrayRecord, new_id: int, meta: pb.ArrayMeta, peer_session: str):
+        """What a relocated array's push says (a header maker) and how to read its bytes (None: it says an error)."""
+        value = record.value
+        error = record.error
+        if error is None and (value is None or value.is_deleted()):
+            error = InvalidRequest("the array was deleted before its session moved")
+        devices: list[int] = []
+        read = None
+        if error is None and isinstance(value, HostCopy):
+            devices, read = value.shard_devices(), value.packed
+        elif error is None:
+            read = lambda: np.ascontiguousarray(record.read(self.runtime.to_host))  # noqa: E731 - a host value
+
+        def header() -> pb.ArrayChunk:
+            chunk = pb.ArrayChunk(session=peer_session, id=new_id, meta=meta, shard_devices=devices)
+            if error is not None:
+                chunk.error.CopyFrom(status_of(as_request_error(error)))
+            return chunk
+
+        return header, read
+
     def _expect(self, command: pb.Expect) -> None:
         record = self.arrays.get(command.id) or self._new(command.id, command.meta)
         if command.HasField("error") and not record.ready:
             record.fail(error_of(command.error))
 
-    def arrive(self, array_id: int, meta: pb.ArrayMeta, data, error: pb.Status | None) -> None:
-        """An array pushed by another worker (possibly before its ``Expect``); ``data``: any buffer."""
+    def arrive(
+        self, array_id: int, meta: pb.ArrayMeta, data, error: pb.Status | None, shard_devices: Sequence[int] = ()
+    ) -> None:
+        """An array pushed by another worker (possibly before its ``Expect``); ``data``: any buffer, of the whole
+        array, or (``shard_devices``) of its shards on this host's devices one after the other."""
         record = self.arrays.get(array_id) or self._new(array_id, meta)
         if record.ready:
             return
         if error is not None:
             record.fail(error_of(error))
             return
-        self._store(record, meta, data)
+        self._store(record, meta, data, tuple(shard_devices))
 
     def _program_query(self, command: pb.ProgramQuery) -> None:
         program = self.programs.get(command.program)
@@ -656,7 +723,9 @@ class WorkerSession:
             raise InvalidRequest(f"{len(command.results)} result ids for {len(command.result_metas)} result specs")
         results = [self._new(i, meta) for i, meta in zip(command.results, command.result_metas, strict=True)]
         specs = [nonxla.ResultSpec(r.kind, r.shape, r.sharding) for r in results]
-        context = self._host.for_tenant(command.tenant or self.key, self.key, self._output, command.context)
+        context = self._host.for_tenant(
+            command.tenant or self.key, self.key, self._output, command.context, dict(command.session_device_ids)
+        )
 
         def run() -> list:
             pieces = [[record.live() for record in argument] for argument in args]

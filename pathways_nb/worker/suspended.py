@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -122,6 +123,15 @@ class HostCopy:
     def spilled_bytes(self) -> int:
         return sum(shard.nbytes for shard in self.shards if shard.path is not None)
 
+    def shard_devices(self) -> list[int]:
+        """The device of each shard, in order (their ids on this host, which ``from_shards`` reads elsewhere)."""
+        return [next(iter(shard.sharding.device_set)).id for shard in self.shards]
+
+    def packed(self) -> np.ndarray:
+        """The shards' bytes one after the other (blocks: a spilled one is read back)."""
+        parts = [np.ascontiguousarray(shard.read()).reshape(-1).view(np.uint8) for shard in self.shards]
+        return np.concatenate(parts) if parts else np.empty(0, np.uint8)
+
     # As a record's value while the session is suspended: deletable, like the device array it replaces.
     def is_deleted(self) -> bool:
         return self._deleted
@@ -156,6 +166,29 @@ def to_host(records: Sequence[ArrayRecord], budget: HostBudget, session: str) ->
         return HostCopy(value, budget, [shard_of(shard.data) for shard in value.addressable_shards])
 
     return [record.read(copy) for record in records]
+
+
+def from_shards(runtime: Any, data: Any, meta: Any, shard_devices: Sequence[int]) -> Any:
+    """The array ``meta`` describes (its part on this host), from ``data``: its shards' bytes one after the other, for
+    ``shard_devices`` in order (a session moved here from a host of the same shape: ``HostCopy.packed``). Blocks."""
+    import jax
+
+    from pathways_nb.core.convert import sharding_from_proto
+    from pathways_nb.protocol import dtypes
+
+    shape, dtype = tuple(meta.shape), dtypes.to_numpy(meta.dtype_kind)
+    sharding = sharding_from_proto(meta.sharding)
+    shard_shape = runtime.jax_sharding(sharding).shard_shape(shape)
+    nbytes = math.prod(shard_shape) * dtype.itemsize
+    flat = np.frombuffer(data, np.uint8)
+    if flat.nbytes != nbytes * len(shard_devices):
+        raise ValueError(f"{flat.nbytes} bytes arrived for {len(shard_devices)} shards of {nbytes} bytes")
+    singles = {}
+    for index, device_id in enumerate(shard_devices):
+        host = flat[index * nbytes : (index + 1) * nbytes].view(dtype).reshape(shard_shape)
+        target = jax.sharding.SingleDeviceSharding(runtime.device(device_id), memory_kind=sharding.memory_kind or None)
+        singles[device_id] = jax.device_put(host, target)
+    return runtime.assemble(shape, sharding, [singles[d] for d in runtime.local_part(sharding).device_ids])
 
 
 def to_devices(copies: Sequence[HostCopy]) -> list[Any]:
