@@ -8,7 +8,9 @@ Three tables, each measured side by side in one run:
    array sharded over both), its arrays kept in the workers' memory (a CPU device's buffers stay in
    place: the times are the control path's) and, on a second cluster whose workers have no memory
    budget for suspended arrays (``--suspend_memory_budget 0``), in files under the storage root:
-   seconds and GB/s each way, and whether every value came back (a checksum).
+   seconds and GB/s each way, and whether every value came back (a checksum). Then the same with
+   island 0 taken while the session is suspended: it resumes on island 1 (virtual devices), its
+   arrays sent from island 0's worker to island 1's.
 2. How long a session of priority 10 waits for island 0 while a priority-0 session holds it with
    1 GiB of arrays (it is preempted: suspended first), against the same connect on a free island.
 3. The steps per second of a tenant training on island 1 alone, and while another session on
@@ -29,15 +31,18 @@ from pathways_nb.testing import finished_ok, python_process
 
 MIB = 1 << 20
 
-# Holds MiB (argv[2]) of arrays on island 0 exclusively at priority argv[3]; prints one JSON line per command
-# read from stdin: "suspend", "resume" (timed), "check" (the checksum still equal), "end".
+# Holds MiB (argv[2]) of arrays exclusively at priority argv[3] on island argv[4] ("any": any island); prints one
+# JSON line per command read from stdin: "suspend", "resume" (timed), "check" (the checksum still equal), "end".
 HOLDER = """
 import json, sys, time
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 import pathways_nb
 
-session = pathways_nb.connect(sys.argv[1], tenant="holder", exclusive=True, islands=[0], priority=int(sys.argv[3]))
+islands = [] if sys.argv[4] == "any" else [int(sys.argv[4])]
+session = pathways_nb.connect(
+    sys.argv[1], tenant="holder", exclusive=True, num_devices=2, islands=islands, priority=int(sys.argv[3])
+)
 devices = jax.devices()
 mesh = jax.make_mesh((len(devices),), ("x",), devices=devices)
 rows = int(sys.argv[2]) * (1 << 20) // (4 * 1024)
@@ -62,7 +67,8 @@ for line in sys.stdin:
     print(json.dumps({command: time.perf_counter() - started}), flush=True)
 """
 
-# Connects to argv[1] exclusively to island argv[2] at priority argv[3]; prints how long the connect took.
+# Connects to argv[1] exclusively to island argv[2] at priority argv[3]; prints how long the connect took, and
+# holds the island until a line on stdin.
 TAKER = """
 import json, sys, time
 import jax
@@ -71,6 +77,7 @@ started = time.perf_counter()
 pathways_nb.connect(sys.argv[1], tenant="taker", exclusive=True, islands=[int(sys.argv[2])],
                     priority=int(sys.argv[3]), timeout_s=300)
 print(json.dumps({"waited": time.perf_counter() - started}), flush=True)
+sys.stdin.readline()
 pathways_nb.disconnect()
 """
 
@@ -136,25 +143,36 @@ class Client:
         finished_ok(self.process, 120)
 
 
-def holder(cluster: LocalCluster, mib: int, priority: int = 0) -> Client:
-    client = Client(HOLDER, cluster.address, str(mib), str(priority), token=cluster.token)
+def holder(cluster: LocalCluster, mib: int, priority: int = 0, island: str = "0") -> Client:
+    client = Client(HOLDER, cluster.address, str(mib), str(priority), island, token=cluster.token)
     client.read()
     return client
 
 
-def suspend_resume_rows(sizes: list[int], where: str, budget: int | None) -> list[dict]:
+def taker(cluster: LocalCluster, island: int, priority: int) -> tuple[Client, float]:
+    """A client holding ``island`` (until ``end``), and how long it waited for it."""
+    client = Client(TAKER, cluster.address, str(island), str(priority), token=cluster.token)
+    return client, client.read()["waited"]
+
+
+def suspend_resume_rows(sizes: list[int], where: str, budget: int | None, move: bool = False) -> list[dict]:
+    """``move``: island 0 is taken while the session is suspended, and it resumes on island 1."""
     rows = []
-    with LocalCluster(islands=1, devices_per_host=2, suspend_memory_budget=budget) as cluster:
+    with LocalCluster(islands=2 if move else 1, devices_per_host=2, suspend_memory_budget=budget) as cluster:
         for mib in sizes:
-            client = holder(cluster, mib)
-            suspend_s, resume_s = client.ask("suspend")["suspend"], client.ask("resume")["resume"]
+            client = holder(cluster, mib, island="any" if move else "0")
+            suspend_s = client.ask("suspend")["suspend"]
+            blocker = taker(cluster, 0, 0)[0] if move else None
+            resume_s = client.ask("resume")["resume"]
             equal = client.ask("check")["equal"]
             client.end()
+            if blocker is not None:
+                blocker.end()
             gb = mib * MIB / 1e9
             rows.append(
                 {
                     "size": f"{mib} MiB",
-                    "where": where,
+                    "where": where + (", resumed on the other island" if move else ""),
                     "suspend_s": suspend_s,
                     "suspend_gbs": gb / suspend_s,
                     "resume_s": resume_s,
@@ -168,7 +186,9 @@ def suspend_resume_rows(sizes: list[int], where: str, budget: int | None) -> lis
 
 def preemption_rows(cluster: LocalCluster) -> list[dict]:
     def taking(island: int) -> float:
-        return json.loads(finished_ok(python_process(TAKER, cluster.address, str(island), "10"), 300))["waited"]
+        client, waited = taker(cluster, island, 10)
+        client.end()
+        return waited
 
     free = taking(1)
     held = holder(cluster, 1024)
@@ -220,6 +240,8 @@ def main() -> None:
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     moves = suspend_resume_rows(sizes, "host memory", None) + suspend_resume_rows(sizes, "files (budget 0)", 0)
+    moves += suspend_resume_rows(sizes, "host memory", None, move=True)
+    moves += suspend_resume_rows(sizes, "files (budget 0)", 0, move=True)
     with LocalCluster(islands=2, devices_per_host=2) as cluster:
         waits = preemption_rows(cluster)
         interference = interference_row(cluster, args.seconds, args.every)

@@ -92,10 +92,12 @@ class SharedDirectory:
         atexit.register(self.close)
 
     def write(self, name: str, data) -> Path:
-        """Writes ``data`` (any buffer) to ``name`` in this directory; the reader removes it."""
+        """Writes ``data`` (any buffer, or a list of them one after the other) to ``name`` in this directory; the
+        reader removes it."""
         path = self.path / name
         with open(path, "wb", opener=lambda p, flags: os.open(p, flags | os.O_EXCL, 0o600)) as file:
-            file.write(memoryview(data).cast("B"))
+            for part in data if isinstance(data, list) else [data]:
+                file.write(memoryview(part).cast("B"))
         return path
 
     def close(self) -> None:
@@ -130,7 +132,8 @@ class Outbox:
         return directory.path / f"{prefix}{next(self._names)}"
 
     def write(self, prefix: str, data) -> Path | None:
-        """``data`` (any buffer) in a new file whose name starts with ``prefix``; None if that failed."""
+        """``data`` (any buffer, or a list of them) in a new file whose name starts with ``prefix``; None if that
+        failed."""
         path = None
         try:
             path = self._new_path(prefix)

@@ -479,16 +479,18 @@ class WorkerSession:
                 return
         self._send_bytes(command.request, self.runtime.to_host(value))
 
-    def _write_shared(self, host: np.ndarray) -> pb.SharedFile | None:
-        """``host``'s row-major bytes in a new file of this worker's outbox (None if that failed)."""
-        data = memoryview(np.ascontiguousarray(host).reshape(-1).view(np.uint8))
+    def _write_shared(self, host: np.ndarray | Sequence[np.ndarray]) -> pb.SharedFile | None:
+        """``host``'s row-major bytes (of each, one after the other) in a new file of this worker's outbox (None if
+        that failed)."""
+        parts = [host] if isinstance(host, np.ndarray) else host
+        data = [memoryview(np.ascontiguousarray(part).reshape(-1).view(np.uint8)) for part in parts]
         path = self._outbox.write(self._file_prefix, data)
         if path is None:
             return None
         if self.closed:  # nobody will take it
             shared_memory.discard(path)
             return None
-        return pb.SharedFile(path=str(path), size=data.nbytes)
+        return pb.SharedFile(path=str(path), size=sum(part.nbytes for part in data))
 
     def _send_bytes(self, request: int, host: np.ndarray) -> None:
         data = memoryview(np.ascontiguousarray(host).reshape(-1).view(np.uint8))
@@ -637,14 +639,16 @@ class WorkerSession:
         records = [self._record(array_id) for array_id in command.ids]
 
         def send_all() -> None:
-            started, total = time.time(), 0
+            started, total, ways = time.time(), 0, set()
             for record, new_id, meta in zip(records, command.new_ids, command.metas, strict=True):
-                header, read = self._relocated(record, new_id, meta, command.peer_session)
+                header, read, read_shared = self._relocated(record, new_id, meta, command.peer_session)
                 if read is None:
                     self._push(command.peer_address, header(), None)
                     continue
-                total += self._deliver(command.peer_address, command.peer_host_key, header, read)[0]
-            name = f"moving {len(records)} arrays to {command.peer_address}"
+                nbytes, way = self._deliver(command.peer_address, command.peer_host_key, header, read, read_shared)
+                total, _ = total + nbytes, ways.add(way)
+            name = f"moving {len(records)} arrays to {command.peer_address} {' and '.join(sorted(ways))}"
+            _LOGGER.info("session %s: %s (%d bytes) in %.2f s", self.key, name, total, time.time() - started)
             self._events(event("transfer", name, [], started, time.time(), total))
 
         def sent(_result, error: RequestError | None) -> None:
@@ -656,15 +660,17 @@ class WorkerSession:
         self._background(send_all, sent)
 
     def _relocated(self, record: ArrayRecord, new_id: int, meta: pb.ArrayMeta, peer_session: str):
-        """What a relocated array's push says (a header maker) and how to read its bytes (None: it says an error)."""
+        """What a relocated array's push says (a header maker), and how to read its bytes (None: it says an error)
+        and write them to a shared file (None: as ``read`` gives them)."""
         value = record.value
         error = record.error
         if error is None and (value is None or value.is_deleted()):
             error = InvalidRequest("the array was deleted before its session moved")
         devices: list[int] = []
-        read = None
+        read = read_shared = None
         if error is None and isinstance(value, HostCopy):
             devices, read = value.shard_devices(), value.packed
+            read_shared = lambda: self._write_shared(value.shard_arrays())  # noqa: E731 - no packed copy first
         elif error is None:
             read = lambda: np.ascontiguousarray(record.read(self.runtime.to_host))  # noqa: E731 - a host value
 
@@ -674,7 +680,7 @@ class WorkerSession:
                 chunk.error.CopyFrom(status_of(as_request_error(error)))
             return chunk
 
-        return header, read
+        return header, read, read_shared
 
     def _expect(self, command: pb.Expect) -> None:
         record = self.arrays.get(command.id) or self._new(command.id, command.meta)

@@ -127,9 +127,13 @@ class HostCopy:
         """The device of each shard, in order (their ids on this host, which ``from_shards`` reads elsewhere)."""
         return [next(iter(shard.sharding.device_set)).id for shard in self.shards]
 
+    def shard_arrays(self) -> list[np.ndarray]:
+        """The shards' values, in order (blocks: a spilled one is read back)."""
+        return [shard.read() for shard in self.shards]
+
     def packed(self) -> np.ndarray:
-        """The shards' bytes one after the other (blocks: a spilled one is read back)."""
-        parts = [np.ascontiguousarray(shard.read()).reshape(-1).view(np.uint8) for shard in self.shards]
+        """The shards' bytes one after the other."""
+        parts = [np.ascontiguousarray(part).reshape(-1).view(np.uint8) for part in self.shard_arrays()]
         return np.concatenate(parts) if parts else np.empty(0, np.uint8)
 
     # As a record's value while the session is suspended: deletable, like the device array it replaces.
