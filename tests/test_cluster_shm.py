@@ -293,3 +293,24 @@ def _check_broken_stream_refused(proxy):
     with pytest.raises(RequestError):  # what the broken stream held is lost with it
         proxy.to_host(kept)
     return broken
+
+
+def test_a_relocated_array_arrives_by_shards_and_bad_shards_fail_it_clearly(proxy, cluster):
+    """A push of an array's shards one after the other (as a session moving here sends them) lands on the devices;
+    one whose bytes do not fit its shards fails that array with what was wrong, instead of leaving it pending."""
+    session = proxy
+    devices = session.device_ids[:2]
+    link = _link(session, devices[0])
+    host = np.arange(4 * 6, dtype=np.float32).reshape(4, 6)
+    sharding = IfrtSharding(devices, op_sharding=_split_rows(2))
+    meta = array_meta(dtypes.from_numpy(host.dtype), host.shape, session._local(sharding, session._placed(devices)))
+    locals_ = [session._device(d).local_id for d in devices]
+    stub = cluster_pb2_grpc.WorkerStub(cluster.credentials.channel(link.address))
+    good, bad = link.new_id(), link.new_id()
+    chunk = pb.ArrayChunk(session=link.session_key, id=good, meta=meta, data=host.tobytes(), shard_devices=locals_)
+    stub.PushArray(iter([chunk]), timeout=10)
+    assert np.frombuffer(link.fetch(good), np.float32).tobytes() == host.tobytes()
+    short = pb.ArrayChunk(session=link.session_key, id=bad, meta=meta, data=host.tobytes()[:-4], shard_devices=locals_)
+    stub.PushArray(iter([short]), timeout=10)
+    with pytest.raises(RequestError, match="bytes arrived for 2 shards"):
+        link.fetch(bad)

@@ -276,8 +276,8 @@ class WorkerSession:
             return
         try:
             value, error = put(), None
-        except RequestError as failure:
-            value, error = None, failure
+        except Exception as failure:  # noqa: BLE001 - the array fails with it, not the caller (a peer's push)
+            value, error = None, as_request_error(failure)
         done(value, error)
 
     def _assemble(self, command: pb.Assemble) -> None:

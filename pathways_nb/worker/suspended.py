@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from pathways_nb.core.dataflow import ArrayRecord
+from pathways_nb.protocol.errors import InvalidRequest
 
 
 class HostBudget:
@@ -186,7 +187,7 @@ def from_shards(runtime: Any, data: Any, meta: Any, shard_devices: Sequence[int]
     nbytes = math.prod(shard_shape) * dtype.itemsize
     flat = np.frombuffer(data, np.uint8)
     if flat.nbytes != nbytes * len(shard_devices):
-        raise ValueError(f"{flat.nbytes} bytes arrived for {len(shard_devices)} shards of {nbytes} bytes")
+        raise InvalidRequest(f"{flat.nbytes} bytes arrived for {len(shard_devices)} shards of {nbytes} bytes")
     singles = {}
     for index, device_id in enumerate(shard_devices):
         host = flat[index * nbytes : (index + 1) * nbytes].view(dtype).reshape(shard_shape)
