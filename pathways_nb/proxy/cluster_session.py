@@ -783,7 +783,8 @@ class ClusterSession:
 
     @property
     def uses_groups(self) -> bool:
-        """Whether the session has run on a group of islands (multislice): such sessions are not suspended yet."""
+        """Whether the session has run on a group of islands (multislice): its arrays may live on the group's
+        members, and it resumes on its own devices only."""
         with self._lock:
             return any(link.group for link in self._links.values())
 
@@ -805,8 +806,8 @@ class ClusterSession:
             links = [link for link in self._links.values() if link.alive]
         asked = []
         for link in links:
-            try:
-                asked.append((link, link.request(command, field)))
+            try:  # a command each: the request id is the link's, and the link sends the object later
+                asked.append((link, link.request(_copy(command), field)))
             except RequestError as error:  # its worker is gone, and the arrays with it
                 _LOGGER.warning("session %d: %s: %s", self.session_id, link.describe(), error.message)
         return asked
@@ -822,7 +823,8 @@ class ClusterSession:
 
     def allocation_request(self) -> pb.AllocateRequest:
         """What the session asks for to resume, at its priority, for as long as it waits: the devices it had (its
-        arrays are there), or others of the same shape where those are taken or drained."""
+        arrays are there), or others of the same shape where those are taken or drained (not for a session that has
+        run across islands: its arrays on the group's members stay there)."""
         options = self.options
         return pb.AllocateRequest(
             tenant=options.tenant,
@@ -831,7 +833,7 @@ class ClusterSession:
             priority=options.priority,
             islands=options.islands,
             want_device_ids=self.physical_device_ids,
-            want_same_shape=True,
+            want_same_shape=not self.uses_groups,
         )
 
     def take_devices(self, lease: Lease) -> None:
@@ -946,6 +948,12 @@ def _fail_if_not_sent(error: BaseException | None, source: WorkerLink, target: W
         target.send(pb.Command(expect=pb.Expect(id=array_id, meta=meta, error=status_of(failure, message))))
     except RequestError:
         pass  # the target is gone too: its own loss fails the array
+
+
+def _copy(command: pb.Command) -> pb.Command:
+    copied = pb.Command()
+    copied.CopyFrom(command)
+    return copied
 
 
 def _remote_arrays(values: Sequence) -> list[RemoteArray]:

@@ -142,9 +142,6 @@ class ObserveService(cluster_pb2_grpc.ObserveServicer):
                     f"sessions {not_suspendable} cannot be suspended: only a cluster's sessions can (a single-process "
                     "proxy has no resource manager to lend devices to others), once they have their devices",
                 )
-            refusals = [session.suspension.refusal() for session in chosen if request.action == action.SUSPEND]
-            if any(refusals):
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "; ".join(r for r in refusals if r))
             by = "its client" if request.secret else "an operator"
             moves = [
                 session.suspension.suspend(f"by {by}")

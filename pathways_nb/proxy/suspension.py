@@ -97,15 +97,6 @@ class Suspension:
 
     # -- moves -----------------------------------------------------------------------------
 
-    def refusal(self) -> str:
-        """Why the session cannot be suspended ("" if it can)."""
-        if self._devices.uses_groups:
-            return (
-                f"session {self._session.session_id} has run programs across islands (multislice), and such "
-                "sessions cannot be suspended yet; it keeps its devices"
-            )
-        return ""
-
     async def suspend(self, reason: str) -> None:
         """Suspends the session (if it runs), returning once it is suspended (or moving again)."""
         if self.state is State.running and self._move is None:
@@ -228,9 +219,6 @@ class Suspension:
         self._wanted = wanted
         if not wanted.by or self.state is not State.running or self._move is not None:
             return
-        if self.refusal():
-            _LOGGER.info("%s wants its devices, but %s", wanted.by, self.refusal())
-            return
         if wanted.drain:
             self._start(self._suspend(f"{wanted.by}"))
         elif wanted.preempt:
@@ -251,7 +239,7 @@ class Suspension:
         self._idle_timer = None
         if self._idle_after_s <= 0 or self.state is not State.running or self._move is not None:
             return
-        if self._session.closed or self.refusal():
+        if self._session.closed:
             return
         idle_s = self.idle_s
         if idle_s >= self._idle_after_s and (self._wanted.by or self._idle_always):
