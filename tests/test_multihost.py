@@ -159,8 +159,12 @@ def test_draining_a_host_moves_a_two_host_session_to_another_island(two_by_two):
         mover.stdin.flush()
         found = json.loads(mover.stdout.readline())
         assert all(found.values()), found
-        (session,) = [s for s in observer.state().sessions if s.tenant == "mover"]
-        assert (session.state, list(session.device_ids)) == ("running", [4, 5, 6, 7]), session
+        wait_until(
+            lambda: [(s.state, list(s.device_ids)) for s in observer.state().sessions if s.tenant == "mover"],
+            30,
+            "the session running on island 1",
+            holds=[("running", [4, 5, 6, 7])].__eq__,
+        )
         mover.stdin.write("done\n")
         mover.stdin.flush()
         finished_ok(mover, 60)

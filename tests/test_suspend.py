@@ -405,22 +405,25 @@ def test_an_operator_drains_a_host_and_stops_it_without_losing_work(suspending_c
     token_file.write_text(suspending_cluster.token)
     address = ["--address", suspending_cluster.address, "--token_file", str(token_file)]
     with _ended_at_the_end() as processes:
-        movers = [_moving(suspending_cluster, tenant, 1, processes) for tenant in ("first", "second")]
+        movers = {tenant: _moving(suspending_cluster, tenant, 1, processes) for tenant in ("first", "second")}
         assert [list(_session_of(operator, t).device_ids) for t in ("first", "second")] == [[0], [1]]
         capsys.readouterr()
         try:
             assert cli.main(["drain", "0/0", *address, "--wait", "60"]) == 0
             assert capsys.readouterr().out.strip().endswith(": drained")
-            moved = {
-                t: (_session_of(operator, t).state, list(_session_of(operator, t).device_ids))
-                for t in ("first", "second")
-            }
-            assert moved == {"first": ("running", [2]), "second": ("running", [3])}, moved
+            wait_until(
+                lambda: {
+                    t: (_session_of(operator, t).state, list(_session_of(operator, t).device_ids)) for t in movers
+                },
+                30,
+                "both sessions running on island 1",
+                holds={"first": ("running", [2]), "second": ("running", [3])}.__eq__,
+            )
             states = {(w.island, w.host_index): w for w in operator.state().workers}
             assert states[0, 0].draining and states[0, 0].drain_status == "drained"
             assert not states[1, 0].draining
             suspending_cluster.kill_worker(0)
-            for mover, tenant, device in zip(movers, ("first", "second"), (2, 3), strict=True):
+            for (tenant, mover), device in zip(movers.items(), (2, 3), strict=True):
                 _intact_after_the_move(mover, operator, tenant, [device])
         finally:
             assert cli.main(["drain", "0/0", "--undo", *address]) == 0
