@@ -201,10 +201,20 @@ def test_orbax_pathways_handlers_save_and_restore_through_colocated_python_as_lo
     assert json.loads(out.strip().splitlines()[-1]) == expected
 
 
-def test_a_session_that_moves_to_other_devices_takes_its_colocated_arrays_along(colocated_cluster):
+@pytest.fixture
+def empty_colocated_cluster():
+    """A colocated-Python cluster of its own (2 islands of 2 devices): nobody else's session holds an island."""
+    with LocalCluster(
+        islands=2, devices_per_host=2, colocated_python=True, colocated_python_executable=other_users_python()
+    ) as cluster:
+        yield cluster
+
+
+def test_a_session_that_moves_to_other_devices_takes_its_colocated_arrays_along(empty_colocated_cluster):
     """Suspended while another tenant takes its island, the session resumes on the other island: its arrays on
     colocated CPU devices moved with it, its colocated function runs there on them, and its colocated CPU devices
     keep their ids (the executor there knows them by the session's ids)."""
+    colocated_cluster = empty_colocated_cluster
     operator = Observer(colocated_cluster.address, token=colocated_cluster.token)
     mover = start_client(colocated_cluster, "colocated_moves.py", "mover")
     taker = None
@@ -223,7 +233,9 @@ def test_a_session_that_moves_to_other_devices_takes_its_colocated_arrays_along(
         assert taker.stdout.readline().startswith("granted")
         mover.stdin.write("go\n")
         mover.stdin.flush()
-        found = json.loads(mover.stdout.readline())
+        said = mover.stdout.readline()
+        assert said, f"the mover ended:\n{mover.communicate()[1][-4000:]}"
+        found = json.loads(said)
         assert found == {"x_equal": True, "y_equal": True, "called_again": True, "cpus": ready}, found
         (moved,) = [s for s in operator.state().sessions if s.tenant == "mover"]
         assert set(moved.device_ids).isdisjoint(session.device_ids), (moved, session)
