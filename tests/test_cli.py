@@ -324,3 +324,10 @@ def test_a_worker_given_a_log_directory_that_is_not_one_says_so_and_exits(tmp_pa
     )
     assert worker.returncode == 2, worker.stderr[-2000:]
     assert f"pathways-nb worker: --log_directory '{missing}' is not a directory: create it" in worker.stderr
+
+
+@pytest.mark.parametrize("host", ["0", "a/1", "0/-1", "0/1/2", "/"])
+def test_drain_refuses_what_is_not_island_slash_host_before_calling_anyone(host, capsys):
+    with pytest.raises(SystemExit, match="2"):
+        cli.main(["drain", host, "--address", "127.0.0.1:1"])
+    assert f"name the host as ISLAND/HOST (e.g. 0/1), not {host!r}" in capsys.readouterr().err
