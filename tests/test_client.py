@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from pathways_nb.client import batch_flusher
 from pathways_nb.client.connection import normalize_address
 from pathways_nb.testing import finish, python_script
 
@@ -80,11 +81,17 @@ def test_bad_addresses_are_refused_with_the_reason(bad):
         normalize_address(bad)
 
 
-def test_the_stock_client_s_batch_flusher_runs_only_on_idle_cores(proxy_server):
+def test_the_stock_client_s_batch_flusher_runs_only_on_idle_cores_and_seldom(proxy_server):
     """jaxlib's IFRT proxy client wakes a thread every 50 µs to send batched deletions (13% of a core);
-    ``connect`` puts that thread, and only it, under SCHED_IDLE (``pathways_nb.client.batch_flusher``)."""
+    ``connect`` puts that thread, and only it, under SCHED_IDLE, and where the process may (with
+    CAP_SYS_NICE) gives it 2 ms of timer slack, so it wakes ~500 times a second (``pathways_nb.client.batch_flusher``)."""
     status, out, err = _run("client_threads_at_rest.py", proxy_server.address)
     assert status == 0, err[-3000:]
-    busy = [line.split()[1:] for line in out.splitlines() if line.startswith("busy")]
-    assert len(busy) == 1 and busy[0][1] == "idle" and int(busy[0][0]) > 2000, out
+    threads = [line.split()[1:] for line in out.splitlines() if line.startswith("thread")]
+    assert len(threads) == 1 and threads[0][1] == "idle", out  # no other thread wakes often
+    rate, slack = int(threads[0][0]), threads[0][2]
+    if batch_flusher.may_widen_timer_slack():
+        assert slack == str(batch_flusher.TIMER_SLACK_NS) and rate < 1000, out
+    else:  # without CAP_SYS_NICE it keeps its 50 µs sleeps
+        assert rate > 2000, out
     assert "result 8.0" in out, out

@@ -1,7 +1,8 @@
-"""Connects to the proxy at argv[1] and prints, per thread of this process that wakes often at rest,
-its wake-ups per second and whether it runs under SCHED_IDLE; then that a program still runs.
+"""Connects to the proxy at argv[1] and prints, per thread of this process that wakes often at rest or
+runs under SCHED_IDLE, its wake-ups per second, its policy and its timer slack; then that a program
+still runs.
 
-One line per such thread: ``busy <wakeups/s> <idle|normal>``; then ``result <value>``.
+One line per such thread: ``thread <wakeups/s> <idle|normal> <slack ns>``; then ``result <value>``.
 """
 
 import os
@@ -12,6 +13,7 @@ import jax
 import numpy as np
 
 import pathways_nb
+from pathways_nb.client.batch_flusher import timer_slack_ns
 
 
 def wakeups() -> dict[int, int]:
@@ -35,7 +37,10 @@ time.sleep(0.5)
 after, elapsed = wakeups(), time.monotonic() - started
 for tid, count in after.items():
     rate = (count - before.get(tid, count)) / elapsed
-    if rate > 500:
-        policy = "idle" if os.sched_getscheduler(tid) == os.SCHED_IDLE else "normal"
-        print("busy", round(rate), policy)
+    try:
+        idle = os.sched_getscheduler(tid) == os.SCHED_IDLE
+    except OSError:  # the thread ended
+        continue
+    if rate > 500 or idle:
+        print("thread", round(rate), "idle" if idle else "normal", timer_slack_ns(tid))
 print("result", float(jax.jit(lambda v: v.sum())(np.ones(8, np.float32))))
