@@ -84,7 +84,8 @@ def test_bad_addresses_are_refused_with_the_reason(bad):
 def test_the_stock_client_s_batch_flusher_runs_only_on_idle_cores_and_seldom(proxy_server):
     """jaxlib's IFRT proxy client wakes a thread every 50 µs to send batched deletions (13% of a core);
     ``connect`` puts that thread, and only it, under SCHED_IDLE, and where the process may (with
-    CAP_SYS_NICE) gives it 2 ms of timer slack, so it wakes ~500 times a second (``pathways_nb.client.batch_flusher``)."""
+    CAP_SYS_NICE) gives it 2 ms of timer slack, so it wakes ~500 times a second
+    (``pathways_nb.client.batch_flusher``)."""
     status, out, err = _run("client_threads_at_rest.py", proxy_server.address)
     assert status == 0, err[-3000:]
     threads = [line.split()[1:] for line in out.splitlines() if line.startswith("thread")]
