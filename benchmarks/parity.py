@@ -1,16 +1,18 @@
 """Parity with local JAX as the Pathways paper measures it: chained steps of a given length, steps/s over local.
 
     python benchmarks/parity.py [--targets_ms 0.5,1,2.3,5,10,35] [--seconds 1.5] [--rounds 3] [--free_core]
-                                [--platform cpu]
+                                [--wait_for_each_batch] [--platform cpu]
 
 For each target step time, a chained step (``x = tanh(x @ w) * 0.5 + x * 0.5``) is sized on local JAX to
-take that long on one device; then it runs for ``--seconds`` on local JAX and through a server, in
-interleaved rounds (local, server, local, server, ...), and the table gives the median ratio of steps/s
-through the server over local. The servers, one after the other: ``pathways-nb proxy --devices 1``, a
-cluster of one island of one host with one device, and an island of two hosts with one device each,
-whose step is the same matrices split by rows over its two devices (against local JAX on two CPU
-devices). The paper (its Figure 6) reaches parity from about 2.3 ms per computation; the last lines
-name, per server, the smallest step from which the ratio stays at or above 0.97.
+take that long on one device; then it runs for ``--seconds`` on local JAX and through a server
+(dispatched back to back, a batch ahead of the devices; or, with ``--wait_for_each_batch``, each batch
+waited for before the next), in interleaved rounds (local, server, local, server, ...), and the table
+gives the median ratio of steps/s through the server over local. The servers, one after the other:
+``pathways-nb proxy --devices 1``, a cluster of one island of one host with one device, and an island of
+two hosts with one device each, whose step is the same matrices split by rows over its two devices
+(against local JAX on two CPU devices). The paper (its Figure 6) reaches parity from about 2.3 ms per
+computation; the last lines name, per server, the smallest step from which the ratio stays at or above
+0.97.
 
 Here the devices are this machine's cores, which the servers' own work shares. ``--free_core`` sizes
 XLA's CPU thread pools, local JAX's and the servers', for one core fewer than the machine has (each
@@ -42,12 +44,22 @@ from pathways_nb.launch.local_cluster import LocalCluster
 from pathways_nb.launch.processes import ChildServer
 
 PARITY = 0.97
+_BATCH = 16  # steps dispatched back to back between waits
 _ROWS = PartitionSpec("rows")
 
 
-def _chain(devices: list, size: int) -> Callable[[float], float]:
+def _chain(devices: list, size: int, wait_for_each_batch: bool = False) -> Callable[[float], float]:
     """A function that runs the chained step of ``size`` over ``devices`` (split by rows) for some seconds
-    and returns steps/s."""
+    and returns steps/s.
+
+    The steps are dispatched back to back in batches of ``_BATCH``; before each batch the previous
+    batch's first step is waited for, so that up to two batches are queued: the devices never wait
+    for a dispatch, and a measurement does not run past its time by more than a batch (a server
+    takes dispatches far faster than its devices run them). The rate counts what completed, the
+    queue's drain included. With ``wait_for_each_batch`` each batch is waited for before the next
+    one goes, as a loop that reads every batch's result does: every batch then adds a round trip,
+    the devices idle from its last step's end until the next dispatch reaches them.
+    """
     sharding = NamedSharding(Mesh(np.array(devices), ("rows",)), _ROWS)
     replicated = NamedSharding(sharding.mesh, PartitionSpec())
     w = jax.device_put(np.random.default_rng(2).random((size, size), dtype=np.float32) / size, replicated)
@@ -56,11 +68,14 @@ def _chain(devices: list, size: int) -> Callable[[float], float]:
 
     def steps_per_second(seconds: float) -> float:
         x, steps, started = x0, 0, time.perf_counter()
+        batch_start = x0
         while time.perf_counter() - started < seconds:
-            for _ in range(16):  # dispatched back to back, waited for once: what completes, not what is queued
+            (x if wait_for_each_batch else batch_start).block_until_ready()
+            batch_start = x = step(x, w)
+            for _ in range(_BATCH - 1):
                 x = step(x, w)
-            x.block_until_ready()
-            steps += 16
+            steps += _BATCH
+        x.block_until_ready()
         return steps / (time.perf_counter() - started)
 
     return steps_per_second
@@ -76,11 +91,13 @@ def _size_for(target_ms: float, local: list) -> int:
     return size + size % 2  # rows split over two devices as well
 
 
-def _ratios(sizes: dict[float, int], local: list, remote: list, seconds: float, rounds: int) -> dict[float, float]:
+def _ratios(
+    sizes: dict[float, int], local: list, remote: list, seconds: float, rounds: int, wait_for_each_batch: bool
+) -> dict[float, float]:
     """Median over ``rounds`` of remote steps/s over local steps/s, each round local then remote, per target."""
     ratios = {}
     for target, size in sizes.items():
-        on_local, on_remote = _chain(local, size), _chain(remote, size)
+        on_local, on_remote = _chain(local, size, wait_for_each_batch), _chain(remote, size, wait_for_each_batch)
         ratios[target] = statistics.median(on_remote(seconds) / on_local(seconds) for _ in range(rounds))
     return ratios
 
@@ -135,6 +152,11 @@ def main() -> int:
     parser.add_argument(
         "--free_core", action="store_true", help="XLA's CPU pools sized for one core fewer (the servers keep one)"
     )
+    parser.add_argument(
+        "--wait_for_each_batch",
+        action="store_true",
+        help=f"wait for each batch of {_BATCH} steps before the next (a round trip per batch); default: a batch ahead",
+    )
     parser.add_argument("--platform", default="cpu", help="the devices: cpu (this machine's cores), cuda, tpu")
     args = parser.parse_args()
     targets = [float(t) for t in args.targets_ms.split(",")]
@@ -165,7 +187,7 @@ def main() -> int:
             if args.free_core:
                 _let_run_anywhere(os.getpid(), cores)
             remote = jax.devices("proxy")[:devices]
-            results[name] = _ratios(sizes, local[:devices], remote, args.seconds, args.rounds)
+            results[name] = _ratios(sizes, local[:devices], remote, args.seconds, args.rounds, args.wait_for_each_batch)
             if devices == 1:
                 others[name] = _other_steps(local[0], remote[0], args.seconds, args.rounds)
             pathways_nb.disconnect()
@@ -176,7 +198,11 @@ def main() -> int:
     for name, ratios in results.items():
         print(f"| {name} | " + " | ".join(f"{ratios[t]:.2f}" for t in targets) + " |")
     pools = "one core fewer than the machine's" if args.free_core else "all the machine's cores"
-    print(f"(steps/s through the server over local JAX, median of {args.rounds} interleaved rounds; XLA on {pools})")
+    waits = "each batch of steps waited for" if args.wait_for_each_batch else "steps queued a batch ahead"
+    print(
+        f"(steps/s through the server over local JAX, median of {args.rounds} interleaved rounds; XLA on {pools}; "
+        f"{waits})"
+    )
     for name, figures in others.items():
         print(f"{name}: " + "; ".join(f"{what} {ratio:.2f} of local" for what, ratio in figures.items()))
     for name, ratios in results.items():
