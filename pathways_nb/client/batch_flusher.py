@@ -11,11 +11,10 @@ local JAX itself, in the connected process, lost as much.
 That thread is given Linux's ``SCHED_IDLE`` policy, under which it runs only
 when a core is otherwise idle. Where the process may (``CAP_SYS_NICE``: root
 outside a container, or a container given it), its sleeps also get 2 ms of
-timer slack, so the
-kernel wakes it about 500 times a second instead of 9,000: on an idle core it
-still cost 0.11 cores, taken from the control plane's core beside the devices
-(per 3 ms step, 0.53 ms of the client's CPU before, 0.18 ms after). Nothing
-waits on it: every other request the client sends flushes the batch first, so
+timer slack, so the kernel wakes it about 500 times a second instead of 9,000:
+on an idle core it still cost 0.11 cores, taken from the control plane's core
+beside the devices (per 3 ms step, 0.53 ms of the client's CPU before, 0.18 ms
+after). Nothing waits on it: every other request the client sends flushes the batch first, so
 a deletion waits at most until the next request or ~2 ms. It is found by what
 it does (a thread the connection started that wakes thousands of times a
 second), not by name: the client's threads have none.
@@ -35,7 +34,6 @@ BUSY_WAKEUPS_PER_S = 2000
 WATCH_S = 0.05
 # How late the flusher's 50 µs sleeps may end (where the process may set it).
 TIMER_SLACK_NS = 2_000_000
-_CAP_SYS_NICE = 23  # its bit in /proc's capability masks
 
 
 def thread_ids() -> set[int]:
@@ -84,27 +82,6 @@ def _widen_timer_slack(tid: int) -> None:
             slack.write(str(TIMER_SLACK_NS))
     except OSError as e:
         _LOGGER.debug("thread %d keeps its timer slack: %s", tid, e)
-
-
-def may_widen_timer_slack() -> bool:
-    """Whether this process has ``CAP_SYS_NICE``, which setting another thread's timer slack needs."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("CapEff:"):
-                    return bool(int(line.split()[1], 16) >> _CAP_SYS_NICE & 1)
-    except (OSError, ValueError):
-        pass
-    return False
-
-
-def timer_slack_ns(tid: int) -> int | None:
-    """Thread ``tid``'s timer slack in nanoseconds (None where ``/proc`` does not tell)."""
-    try:
-        with open(f"/proc/{tid}/timerslack_ns") as slack:
-            return int(slack.read())
-    except (OSError, ValueError):
-        return None
 
 
 def _wakeups(tid: int) -> int | None:

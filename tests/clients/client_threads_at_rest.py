@@ -13,7 +13,14 @@ import jax
 import numpy as np
 
 import pathways_nb
-from pathways_nb.client.batch_flusher import timer_slack_ns
+
+
+def timer_slack_ns(tid: int) -> int | None:
+    try:
+        with open(f"/proc/{tid}/timerslack_ns") as slack:
+            return int(slack.read())
+    except (OSError, ValueError):
+        return None
 
 
 def wakeups() -> dict[int, int]:
