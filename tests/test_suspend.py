@@ -78,8 +78,9 @@ def _spilled_bytes(cluster: LocalCluster) -> int:
 
 def test_suspended_session_keeps_its_arrays_and_programs(suspending_cluster, operator):
     """256 MiB of arrays (sharded, int8, bfloat16) and a compiled program survive a suspension, in host memory up
-    to each host's budget and in files beyond it: a program dispatched while suspended resumes the session and
-    runs, without compiling anything again; the files are gone once it has."""
+    to each host's budget and in files beyond it: arrays deleted or dropped meanwhile resume nothing; a program
+    dispatched while suspended resumes the session and runs, without compiling anything again; the files are
+    gone once it has."""
     client = _client(suspending_cluster, "suspends_its_session.py", "256")
     assert _line(client) == "suspended"
     # Each of island 0's one host holds 2 x 128 MiB of the big array: what its budget does not keep went to disk.
@@ -88,6 +89,7 @@ def test_suspended_session_keeps_its_arrays_and_programs(suspending_cluster, ope
     found = json.loads(finished_ok(client, 300).splitlines()[-1])
     wait_until(lambda: _spilled_bytes(suspending_cluster), 30, "the files removed", holds=lambda left: left == 0)
     assert found["state_suspended"] == "suspended", found
+    assert found["state_after_letting_go"] == "suspended", found
     assert found["state_after"] == "running", found
     assert found["result_equal"] and found["big_equal"] and found["small_equal"] and found["halves_equal"], found
     assert found["compiles_after_resume"] == 0, found

@@ -173,7 +173,7 @@ class Session:
         handler = dispatch.HANDLERS.get(kind) if kind else None
         if _LOGGER.isEnabledFor(logging.DEBUG):
             _LOGGER.debug("session %d op %d: %s", self.session_id, op_id, _short(request))
-        if self.suspension is not None and self.suspension.holds(request):
+        if self.suspension is not None and self.suspension.holds(request, kind):
             return  # served once the session runs again
         self.requests_served += 1
         if handler is None:

@@ -4,7 +4,9 @@ A suspended session keeps everything but its devices: its arrays wait in its wor
 (``worker.suspended``), its compiled programs stay loaded there, its handles stay valid in the
 client. Its client is never told: a request that arrives while the session is suspended is held,
 in order, and resumes it; once it has devices again, the held requests are served as if they had just
-arrived. The client sees latency, never an error.
+arrived. The client sees latency, never an error. A request that only lets something go (an array or a
+program deleted, as Python's garbage collector does at any time) is held too but resumes nothing: it
+needs no device, and an idle notebook must not take its devices back because a variable went away.
 
 It resumes on the devices it had where it can (its arrays are there), else on others of the same shape
 (virtual devices: ``ClusterSession.relocate`` moves its arrays between workers, its programs compile
@@ -40,6 +42,17 @@ if TYPE_CHECKING:
     from pathways_nb.proxy.session import Session
 
 _LOGGER = logging.getLogger(__name__)
+
+
+# Requests that only let go of something: held while the session is suspended, but never the reason it resumes.
+_LETS_GO = frozenset(
+    {
+        "destruct_array_request",
+        "delete_array_request",
+        "loaded_executable_destruct_request",
+        "loaded_executable_delete_request",
+    }
+)
 
 
 class State(enum.Enum):
@@ -81,15 +94,19 @@ class Suspension:
 
     # -- requests --------------------------------------------------------------------------
 
-    def holds(self, request) -> bool:
-        """Whether ``request`` waits for the session to run (then it is held, and a suspended session resumes)."""
+    def holds(self, request, kind: str | None) -> bool:
+        """Whether ``request`` (of oneof field ``kind``) waits for the session to run; then it is held, and a
+        suspended session resumes unless the request only lets something go."""
         self.last_request = time.monotonic()
         if self.state is State.running:
             return False
         self._held.append(request)
-        if self.state is State.suspended and self._move is None:
+        if self.state is State.suspended and self._move is None and kind not in _LETS_GO:
             self._start(self._resume("a request arrived"))
         return True
+
+    def _held_one_that_resumes(self) -> bool:
+        return any(request.WhichOneof("request") not in _LETS_GO for request in self._held)
 
     @property
     def idle_s(self) -> float:
@@ -127,7 +144,7 @@ class Suspension:
             _LOGGER.error("session %d: %s", self._session.session_id, task.exception(), exc_info=task.exception())
         if self._session.closed:
             return
-        if self.state is State.suspended and self._held:
+        if self.state is State.suspended and self._held_one_that_resumes():
             self._start(self._resume("a request arrived"))
         else:
             self._check_drain()

@@ -1,8 +1,8 @@
 """Connects to argv[1] (island 0), keeps argv[2] MiB of arrays and a compiled program, suspends its session,
 prints ``suspended`` and waits for a line on stdin, then uses it again; prints one JSON line of what it found.
 
-A program dispatched while the session is suspended resumes it and runs; every array comes back
-bitwise equal; the proxy compiles nothing again for it.
+Arrays deleted and dropped while the session is suspended resume nothing; a program dispatched then resumes
+it and runs; every array comes back bitwise equal; the proxy compiles nothing again for it.
 """
 
 import json
@@ -26,6 +26,7 @@ big = jax.device_put(host, NamedSharding(mesh, PartitionSpec("x")))
 small = jax.device_put(np.arange(7, dtype=np.int8), devices[1])
 halves_host = np.asarray(jnp.linspace(0, 1, 64, dtype=jnp.bfloat16, device=jax.devices("cpu")[0]))
 halves = jax.device_put(halves_host, devices[0])
+deleted, dropped = jax.device_put(np.ones(5), devices[0]), jax.device_put(np.zeros(3), devices[1])
 step = jax.jit(lambda a: a * 2 + 1)
 expected = np.asarray(step(big))
 
@@ -39,6 +40,10 @@ started = time.monotonic()
 session.suspend()
 suspend_s = time.monotonic() - started
 state_suspended = session.status
+deleted.delete()  # a delete_array request
+del dropped  # a destruct_array request, sent by the client's flusher within milliseconds
+time.sleep(0.5)
+state_after_letting_go = session.status
 print("suspended", flush=True)
 sys.stdin.readline()
 started = time.monotonic()
@@ -49,6 +54,7 @@ print(
     json.dumps(
         {
             "state_suspended": state_suspended,
+            "state_after_letting_go": state_after_letting_go,
             "state_after": session.status,
             "suspend_s": suspend_s,
             "resume_s": resume_s,
