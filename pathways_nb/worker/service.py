@@ -41,7 +41,7 @@ _LOGGER = logging.getLogger(__name__)
 SERVICE_NAME = "pathways_nb.v1.Worker"
 
 
-class _Replies:
+class Replies:
     """Replies queued from any thread, drained in batches by the stream's writer."""
 
     def __init__(self) -> None:
@@ -51,6 +51,7 @@ class _Replies:
         self._events: list[pb.Event] = []
         self._output: list[pb.OutputLine] = []
         self._ready = asyncio.Event()
+        self._timer_queued = False  # one wake-up for events and output is on its way (never more than one)
         self._closed = False
 
     def put(self, reply: pb.Reply) -> None:
@@ -63,17 +64,28 @@ class _Replies:
     def put_event(self, recorded: pb.Event) -> None:
         with self._lock:
             self._events.append(recorded)
-            first = len(self._items) + len(self._events) + len(self._output) == 1
-        if first:
+            later = self._needs_timer()
+        if later:
             self._wake_later()
 
     def put_output(self, lines: Sequence[pb.OutputLine]) -> None:
         """Output of the session (bounded where it was written); not urgent, as events are not."""
+        if not lines:
+            return
         with self._lock:
-            first = not (self._items or self._events or self._output)
             self._output.extend(lines)
-        if first and lines:
+            later = self._needs_timer()
+        if later:
             self._wake_later()
+
+    def _needs_timer(self) -> bool:
+        """Whether what was just queued (not urgent) needs a wake-up of its own: not if a reply's or one timer's
+        is on its way. One timer per drained batch would pile up while a stream both replies and records
+        (each reply's batch started another), until every event went alone, a message per program."""
+        if self._items or self._timer_queued:
+            return False
+        self._timer_queued = True
+        return True
 
     def close(self) -> None:
         self._closed = True
@@ -83,7 +95,12 @@ class _Replies:
         call_on(self._loop, self._ready.set)
 
     def _wake_later(self) -> None:
-        call_on(self._loop, self._loop.call_later, tuning.EVENTS_DELAY_S.value, self._ready.set)
+        call_on(self._loop, self._loop.call_later, tuning.EVENTS_DELAY_S.value, self._timer_fired)
+
+    def _timer_fired(self) -> None:
+        with self._lock:
+            self._timer_queued = False
+        self._ready.set()
 
     async def batches(self) -> AsyncIterator[pb.ReplyBatch]:
         while True:
@@ -135,7 +152,7 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
         self.stopping = False
 
     async def Session(self, request_iterator, context):
-        replies = _Replies()
+        replies = Replies()
         first = await request_iterator.__anext__()
         key = first.session
         if not key:
