@@ -6,6 +6,7 @@ bitwise against numpy, each on a cluster of its own: one as it starts by
 default, one whose processes all have ``PATHWAYS_SHARED_MEMORY=0``. What
 each path really carried is observed where it happens: the bytes a proxy's
 stream to a worker moved each way, and the worker's own transfer events.
+The same stream's messages show that dropped arrays ride along with commands.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import asyncio
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -314,3 +316,28 @@ def test_a_relocated_array_arrives_by_shards_and_bad_shards_fail_it_clearly(prox
     stub.PushArray(iter([short]), timeout=10)
     with pytest.raises(RequestError, match="bytes arrived for 2 shards"):
         link.fetch(bad)
+
+
+def test_dropped_arrays_ride_along_with_the_commands_that_keep_coming(proxy):
+    """A chain that sends a command and drops an array every millisecond sends the forgotten ids with its
+    commands, none alone: the one timer that would send them alone after ``tuning.FORGET_DELAY_S`` finds them
+    gone."""
+    session = proxy
+    device = session.device_ids[0]
+    link = _link(session, device)
+    host = np.arange(4, dtype=np.float32)
+    kept = session.put(host, IfrtSharding((device,)))
+    before = link.messages.copy()
+    ended = time.monotonic() + 0.6
+    puts = 0
+    while time.monotonic() < ended:
+        new = session.put(host, IfrtSharding((device,)))
+        time.sleep(0.0005)
+        kept = new  # the array before is dropped, after its command went: forgotten, it waits for the next
+        puts += 1
+        time.sleep(0.0005)
+    sent = link.messages - before
+    assert sent["commands"] >= 0.5 * puts / 4, (sent, puts)  # bursts may share a message
+    # None, unless this thread stalled longer than the delay with an id waiting (a timer per id: a third or more).
+    assert sent["forgotten ids alone"] <= puts // 50, (sent, puts)
+    assert session.to_host(kept).tobytes() == host.tobytes()

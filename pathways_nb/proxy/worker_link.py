@@ -87,6 +87,8 @@ class WorkerLink:
         self._file_prefix = f"{session_key}-{self.worker_id}-"
         # Array bytes moved each way ("shared memory" or "gRPC"): what tests and benchmarks observe.
         self.moved: collections.Counter[str] = collections.Counter()
+        # Messages written: "commands" (forgotten ids riding along) or "forgotten ids alone"; the same observers.
+        self.messages: collections.Counter[str] = collections.Counter()
         # Why the worker went down, once the cluster knows (its launcher reports how the process ended).
         self._cause = cause
         self._on_events = on_events
@@ -99,7 +101,8 @@ class WorkerLink:
         self._pending: list[pb.Command] = []
         self._forgotten: collections.deque[int] = collections.deque()
         self._wake_queued = False  # a wake-up of the writer is on its way (no second one is needed)
-        self._forget_wake_queued = False  # forgotten ids wait for the next batch, or tuning.FORGET_DELAY_S
+        self._forgotten_since = 0.0  # when the oldest of the forgotten ids waiting was forgotten (monotonic)
+        self._forget_timer_queued = False  # the one timer that sends forgotten ids alone once they waited too long
         self._forget_due = False  # tuning.FORGET_DELAY_S passed: they go even with no command
         self._closed = False
         self._error: RequestError | None = None
@@ -230,16 +233,26 @@ class WorkerLink:
         Called from finalizers, on any thread, at any moment (the lock is re-entrant).
         """
         with self._lock:
+            if not self._forgotten:
+                self._forgotten_since = time.monotonic()
             self._forgotten.append(array_id)
-            schedule = not self._forget_wake_queued
-            self._forget_wake_queued = True
+            schedule = not self._forget_timer_queued
+            self._forget_timer_queued = True
         if schedule:
-            self._on_loop(lambda: self._loop.call_later(tuning.FORGET_DELAY_S.value, self._wake_for_forgotten))
+            self._on_loop(lambda: self._loop.call_later(tuning.FORGET_DELAY_S.value, self._forget_timer_fired))
 
-    def _wake_for_forgotten(self) -> None:
-        """No command took the forgotten ids along within ``tuning.FORGET_DELAY_S``: they go alone."""
+    def _forget_timer_fired(self) -> None:
+        """Forgotten ids that no command took along within ``tuning.FORGET_DELAY_S`` go alone; younger ones get
+        the timer again. One timer at most: one per forget that rode along piled up while a chain both ran
+        and dropped arrays, and their firings sent a third of its forgotten ids alone, a message each."""
         with self._lock:
-            self._forget_due = self._forget_wake_queued
+            waited_s = time.monotonic() - self._forgotten_since
+            later_s = tuning.FORGET_DELAY_S.value - waited_s if self._forgotten else None
+            if later_s is not None and later_s > 0:
+                self._loop.call_later(later_s, self._forget_timer_fired)
+                return
+            self._forget_timer_queued = False
+            self._forget_due = later_s is not None
             wake = self._forget_due and self._queue_wake()
         if wake:
             self._wake()
@@ -286,9 +299,11 @@ class WorkerLink:
             closed = self._closed or self._error is not None  # a broken stream takes no more
             forgotten = []
             if commands or self._forget_due:  # forgotten ids ride along, or go alone once due
-                self._forget_wake_queued = self._forget_due = False
+                self._forget_due = False
                 while self._forgotten:  # one at a time: a finalizer on this thread may add more meanwhile
                     forgotten.append(self._forgotten.popleft())
+        if commands or forgotten:
+            self.messages["commands" if commands else "forgotten ids alone"] += 1
         if forgotten:
             commands.append(pb.Command(forget=pb.Forget(ids=forgotten)))
         return (pb.CommandBatch(commands=commands) if commands else None), closed
