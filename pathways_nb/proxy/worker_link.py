@@ -209,7 +209,10 @@ class WorkerLink:
         return reply.wait()
 
     def request(self, command: pb.Command, field: str, collect_bytes: bool = False) -> Pending:
-        """Queues a command that answers; the pending gets the reply (or the fetched bytes)."""
+        """Queues a command that answers; the pending gets the reply (or the fetched bytes).
+
+        Sets the request id in ``command`` itself: a command sent to several links is copied for each.
+        """
         request_id = next(self._requests)
         getattr(command, field).request = request_id
         future = Pending()
