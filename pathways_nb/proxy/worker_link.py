@@ -247,7 +247,7 @@ class WorkerLink:
     def _forget_timer_fired(self) -> None:
         """Forgotten ids that no command took along within ``tuning.FORGET_DELAY_S`` go alone; younger ones get
         the timer again. One timer at most: one per forget that rode along piled up while a chain both ran
-        and dropped arrays, and their firings sent a third of its forgotten ids alone, a message each."""
+        and dropped arrays, and their firings made a fifth to a half of the link's messages forgotten ids alone."""
         with self._lock:
             waited_s = time.monotonic() - self._forgotten_since
             later_s = tuning.FORGET_DELAY_S.value - waited_s if self._forgotten else None
