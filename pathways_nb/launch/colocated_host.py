@@ -211,7 +211,7 @@ class UserPool:
 class _Executor:
     """One running executor, what it writes, and what goes when it ends."""
 
-    process: asyncio.subprocess.Process
+    process: _Child
     uid: int
     directory: Path
     output: ExecutorOutput
@@ -270,23 +270,26 @@ class ColocatedHostService(cluster_pb2_grpc.ColocatedHostServicer):
         try:
             if uid != os.getuid():
                 os.chown(directory, uid, uid)
-            process = await asyncio.create_subprocess_exec(
-                self.policy.python,
-                "-m",
-                "pathways_nb.executor",
-                "--socket",
-                str(directory / "executor.sock"),
-                "--directory",
-                str(directory),
-                "--devices",
-                ",".join(str(i) for i in request.device_ids),
-                "--parent",
-                str(os.getpid()),
-                "--ready_fd",
-                str(ready_write),
-                "--output_fd",
-                str(records_write),
-                *(["--user", str(uid)] if uid != os.getuid() else []),
+            popen = await asyncio.to_thread(
+                subprocess.Popen,
+                [
+                    self.policy.python,
+                    "-m",
+                    "pathways_nb.executor",
+                    "--socket",
+                    str(directory / "executor.sock"),
+                    "--directory",
+                    str(directory),
+                    "--devices",
+                    ",".join(str(i) for i in request.device_ids),
+                    "--parent",
+                    str(os.getpid()),
+                    "--ready_fd",
+                    str(ready_write),
+                    "--output_fd",
+                    str(records_write),
+                    *(["--user", str(uid)] if uid != os.getuid() else []),
+                ],
                 # Started as this user: it changes users itself (see pathways_nb.executor.__main__).
                 stdin=subprocess.DEVNULL,
                 stdout=stdout_write,
@@ -299,6 +302,11 @@ class ColocatedHostService(cluster_pb2_grpc.ColocatedHostServicer):
                 # files usually are; its own directory stays closed (0700).
                 umask=0o022,
             )
+            try:
+                process = _Child(popen)
+            except BaseException:
+                popen.kill()
+                raise
         except BaseException:
             for descriptor in (ready_read, ready_write, *itertools.chain.from_iterable(pipes)):
                 os.close(descriptor)
@@ -364,12 +372,43 @@ async def _ready(read: int) -> bool:
         os.close(read)
 
 
-def _signal(process: asyncio.subprocess.Process, number: int) -> None:
-    """Signals a child asyncio has not reaped yet, by pid.
+class _Child:
+    """An executor's process: started off the loop by Python's ``subprocess``, its exit noticed on the loop.
 
-    Not ``process.terminate()``: subprocess polls the child first, which reaps one that has just ended
-    behind asyncio's child watcher, and asyncio then reports its status as 255. A pid nobody has
-    reaped is still this child's.
+    Not asyncio's subprocesses: under uvloop (``core.loop.new_event_loop``) they start with libuv's
+    ``fork``, after which gRPC's fork handlers crash the child of a process with gRPC's threads
+    (executors died of SIGSEGV in three of four runs of the colocated tests); ``subprocess`` uses
+    ``vfork`` and ``exec``. The exit is read from a pidfd on the loop, so no thread waits for it, and
+    the child is reaped only here.
+    """
+
+    def __init__(self, popen: subprocess.Popen):
+        self.popen = popen
+        self.pid = popen.pid
+        self.returncode: int | None = None
+        self._loop = asyncio.get_running_loop()
+        self._exited = self._loop.create_future()
+        self._pidfd = os.pidfd_open(popen.pid)
+        self._loop.add_reader(self._pidfd, self._reap)
+
+    def _reap(self) -> None:
+        returncode = self.popen.poll()
+        if returncode is None:
+            return
+        self._loop.remove_reader(self._pidfd)
+        os.close(self._pidfd)
+        self.returncode = returncode
+        self._exited.set_result(returncode)
+
+    async def wait(self) -> int:
+        """The exit status (``subprocess``'s: negative for a signal); cancelling a wait leaves the others."""
+        return await asyncio.shield(self._exited)
+
+
+def _signal(process: _Child, number: int) -> None:
+    """Signals a child by pid: it is not reaped before ``_Child`` sees it end, so the pid is still its own.
+
+    Not ``popen.terminate()``: that polls the child first, and would reap it behind ``_Child``'s back.
     """
     try:
         os.kill(process.pid, number)
