@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from pathways_nb.core.loop import LoopWatchdog
+from pathways_nb.core.loop import LoopWatchdog, new_event_loop
 from pathways_nb.core.security import ClusterCredentials
 from pathways_nb.rpc import cluster_pb2_grpc
 
@@ -61,7 +61,7 @@ class BackgroundServer:
             self.credentials.check_bind(host, ", ".join(service_names) or "a gRPC server")
         self._on_stop = on_stop
         self._stopped = threading.Event()
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="pathways-loop", daemon=True)
         self._thread.start()
         self.watchdog = LoopWatchdog(self.loop, process or ", ".join(service_names))

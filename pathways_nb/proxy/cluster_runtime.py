@@ -28,7 +28,7 @@ from pathways_nb.core.convert import program_from_proto
 from pathways_nb.core.dataflow import Pending, when_all
 from pathways_nb.core.events import EventSink
 from pathways_nb.core.islands import group_name
-from pathways_nb.core.loop import call_on
+from pathways_nb.core.loop import call_on, new_event_loop
 from pathways_nb.core.retry import Retry
 from pathways_nb.core.runtime_api import (
     ProgramInfo,
@@ -294,7 +294,7 @@ class ClusterRuntime:
         with self._lock:
             if self._loop is not None:
                 return self._loop
-            self._loop = loop = asyncio.new_event_loop()
+            self._loop = loop = new_event_loop()
             self._owns_loop = True
         threading.Thread(target=loop.run_forever, name="pathways-links", daemon=True).start()
         self._start_watching(loop)
