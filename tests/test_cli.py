@@ -331,3 +331,20 @@ def test_drain_refuses_what_is_not_island_slash_host_before_calling_anyone(host,
     with pytest.raises(SystemExit, match="2"):
         cli.main(["drain", host, "--address", "127.0.0.1:1"])
     assert f"name the host as ISLAND/HOST (e.g. 0/1), not {host!r}" in capsys.readouterr().err
+
+
+def test_a_server_on_a_port_another_server_holds_is_refused_not_sharing_it():
+    """gRPC's default SO_REUSEPORT let a second server bind the same port and take part of its connections."""
+    first = ChildServer("proxy", ["proxy", "--server_port", "0", "--devices", "1"])
+    first.start()
+    try:
+        second = subprocess.run(
+            [sys.executable, "-m", "pathways_nb.cli", "proxy", "--server_port", str(first.port), "--devices", "1"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert second.returncode != 0, second.stderr[-2000:]
+        assert f"cannot listen on 127.0.0.1:{first.port}; is the port in use?" in second.stderr
+    finally:
+        first.close()

@@ -112,10 +112,11 @@ class Pod:
         return simple[path]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_port(held: contextlib.ExitStack) -> int:
+    """A port free here, kept bound in ``held`` until every pod has one: no two pods get the same."""
+    probe = held.enter_context(socket.socket())
+    probe.bind(("127.0.0.1", 0))
+    return probe.getsockname()[1]
 
 
 def plan_pods(objects: list[dict], secrets_directory: pathlib.Path) -> list[Pod]:
@@ -125,30 +126,31 @@ def plan_pods(objects: list[dict], secrets_directory: pathlib.Path) -> list[Pod]
     name = jobset["metadata"]["name"]
     subdomain = jobset["spec"]["network"].get("subdomain", name)
     pods = []
-    for replicated in jobset["spec"]["replicatedJobs"]:
-        job = replicated["template"]["spec"]
-        assert job["completionMode"] == "Indexed"
-        for job_index in range(replicated.get("replicas", 1)):
-            for pod_index in range(job.get("completions", 1)):
-                (container,) = job["template"]["spec"]["containers"]
-                hostname = f"{name}-{replicated['name']}-{job_index}-{pod_index}"
-                markers = {
-                    "jobset.sigs.k8s.io/jobset-name": name,
-                    "jobset.sigs.k8s.io/replicatedjob-name": replicated["name"],
-                    "jobset.sigs.k8s.io/job-index": str(job_index),
-                    "batch.kubernetes.io/job-completion-index": str(pod_index),
-                }
-                labels = {**job["template"]["metadata"].get("labels", {}), **markers}
-                pod = Pod(
-                    replicated["name"],
-                    job_index,
-                    pod_index,
-                    f"{hostname}.{subdomain}",
-                    container,
-                    {"labels": labels, "annotations": dict(markers)},
-                    {p["containerPort"]: _free_port() for p in container.get("ports", [])},
-                )
-                pods.append(pod)
+    with contextlib.ExitStack() as held:
+        for replicated in jobset["spec"]["replicatedJobs"]:
+            job = replicated["template"]["spec"]
+            assert job["completionMode"] == "Indexed"
+            for job_index in range(replicated.get("replicas", 1)):
+                for pod_index in range(job.get("completions", 1)):
+                    (container,) = job["template"]["spec"]["containers"]
+                    hostname = f"{name}-{replicated['name']}-{job_index}-{pod_index}"
+                    markers = {
+                        "jobset.sigs.k8s.io/jobset-name": name,
+                        "jobset.sigs.k8s.io/replicatedjob-name": replicated["name"],
+                        "jobset.sigs.k8s.io/job-index": str(job_index),
+                        "batch.kubernetes.io/job-completion-index": str(pod_index),
+                    }
+                    labels = {**job["template"]["metadata"].get("labels", {}), **markers}
+                    pod = Pod(
+                        replicated["name"],
+                        job_index,
+                        pod_index,
+                        f"{hostname}.{subdomain}",
+                        container,
+                        {"labels": labels, "annotations": dict(markers)},
+                        {p["containerPort"]: _free_port(held) for p in container.get("ports", [])},
+                    )
+                    pods.append(pod)
     addresses = {f"{p.dns_name}:{port}": f"127.0.0.1:{local}" for p in pods for port, local in p.ports.items()}
     addresses.update({p.dns_name: "127.0.0.1" for p in pods})
     for pod in pods:

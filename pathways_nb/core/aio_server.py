@@ -23,6 +23,9 @@ SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", -1),
     # A 64 MiB receive window lets a large upload stream without waiting for window updates.
     ("grpc.http2.lookahead_bytes", 64 << 20),
+    # A port another server holds is refused, not shared: with gRPC's default SO_REUSEPORT a second
+    # server on the same port (a second cluster, a port picked twice) took half its connections silently.
+    ("grpc.so_reuseport", 0),
 ]
 
 
@@ -83,7 +86,10 @@ class BackgroundServer:
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         address = host if host.startswith("unix:") else f"{host}:{port}"
-        bound = self.credentials.add_port(self._server, address)
+        try:
+            bound = self.credentials.add_port(self._server, address)
+        except RuntimeError:  # grpc.aio's "Failed to bind to address ...", which names no cause
+            bound = 0
         if bound == 0:
             raise OSError(f"cannot listen on {address}; is the port in use?")
         if on_start is not None:
