@@ -56,6 +56,8 @@ def host():
     link = ColocatedHostLink(f"unix:{socket_path}", ClusterCredentials(token=token), "the test host")
     link.separate_users = "a user of its own" in server.log()
     link.socket_path = socket_path
+    link.token = token
+    link.host_pid = server.process.pid
     yield link
     link.close()
     server.close()
@@ -291,6 +293,35 @@ def test_the_host_refuses_callers_without_the_cluster_token(host):
         with pytest.raises(grpc.RpcError) as refused:
             next(events)
     assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_caller_gone_while_its_executor_starts_leaves_nothing_behind(host):
+    """A call cancelled while its executor imports: once up, the host stops it and removes its directory."""
+    host_process = psutil.Process(host.host_pid)
+    (executors_root,) = Path(os.environ.get("PATHWAYS_SHM_ROOT") or "/dev/shm").glob(
+        f"pathways-nb-executors-{host.host_pid}-*"
+    )
+    before = {child.pid for child in host_process.children(recursive=True)}
+    directories_before = set(executors_root.iterdir())
+
+    def new_processes() -> set[int]:
+        return {child.pid for child in host_process.children(recursive=True)} - before
+
+    with ClusterCredentials(token=host.token).channel(f"unix:{host.socket_path}") as channel:
+        call = cluster_pb2_grpc.ColocatedHostStub(channel).Executor(
+            pb.ExecutorRequest(session="gone", tenant="tenant-a", device_ids=[0, 1])
+        )
+        wait_until(new_processes, DEADLINE_S, "the executor's process started")
+        call.cancel()
+    wait_until(
+        lambda: (new_processes(), set(executors_root.iterdir()) - directories_before),
+        DEADLINE_S,
+        "the executor of the cancelled call and its directory gone",
+        holds=lambda left: not any(left),
+    )
+    executor = host.executor("after-gone", "tenant-a", [0, 1])  # the host serves on
+    assert run(executor, program(lambda x: x + 1, [spec((1,))], spec((1,))), [f32([1])])[0].shards[1].tolist() == [2]
+    host.end_session("after-gone")
 
 
 # The Python 3.12 environment with jax 0.12 that make test builds (tests/test_compat.py uses it too).

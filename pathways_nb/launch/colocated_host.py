@@ -230,10 +230,17 @@ class ColocatedHostService(cluster_pb2_grpc.ColocatedHostServicer):
         self._users = UserPool(policy.uid_base, (private or root) / "executor-users")
         self._names = itertools.count()
         self._running: set[_Executor] = set()
+        self._unclaimed_stops: set[asyncio.Future] = set()
 
     async def Executor(self, request: pb.ExecutorRequest, context):
+        # Started whole even if the caller goes away meanwhile (a session that ends during its first
+        # colocated call): a start cut off half-way would leave a process nobody stops.
+        starting = asyncio.ensure_future(self._start(request))
         try:
-            executor = await self._start(request)
+            executor = await asyncio.shield(starting)
+        except asyncio.CancelledError:
+            starting.add_done_callback(self._stop_unclaimed)
+            raise
         except (OSError, RuntimeError) as error:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
         self._running.add(executor)
@@ -256,6 +263,14 @@ class ColocatedHostService(cluster_pb2_grpc.ColocatedHostServicer):
             exited.cancel()
             self._running.discard(executor)
             await self._stop(executor)
+
+    def _stop_unclaimed(self, starting: asyncio.Future) -> None:
+        """Stops an executor whose caller went away while it started (one that failed cleaned up already)."""
+        if starting.cancelled() or starting.exception() is not None:
+            return
+        stopping = asyncio.ensure_future(self._stop(starting.result()))
+        self._unclaimed_stops.add(stopping)
+        stopping.add_done_callback(self._unclaimed_stops.discard)
 
     async def _start(self, request: pb.ExecutorRequest) -> _Executor:
         name = f"executor-{os.getpid()}-{next(self._names)}"
@@ -346,7 +361,7 @@ class ColocatedHostService(cluster_pb2_grpc.ColocatedHostServicer):
             self._users.give_back(uid)
 
     async def stop_all(self) -> None:
-        await asyncio.gather(*(self._stop(executor) for executor in list(self._running)))
+        await asyncio.gather(*(self._stop(executor) for executor in list(self._running)), *self._unclaimed_stops)
         shutil.rmtree(self.root, ignore_errors=True)
 
 
