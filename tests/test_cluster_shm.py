@@ -341,3 +341,18 @@ def test_dropped_arrays_ride_along_with_the_commands_that_keep_coming(proxy):
     # None, unless this thread stalled longer than the delay with an id waiting (a timer per id: a third or more).
     assert sent["forgotten ids alone"] <= puts // 50, (sent, puts)
     assert session.to_host(kept).tobytes() == host.tobytes()
+
+
+def test_an_array_deleted_right_after_its_session_resumes_waits_for_the_resume(proxy, cluster):
+    """A delete that reaches a worker just behind a resume (the client let an array go as its session came back)
+    lets the resume read the array's copy first: the resume succeeds, and what was kept comes back intact."""
+    host = np.arange(1 << 18, dtype=np.float32)
+    kept, dropped = proxy.put(host, IfrtSharding((0,))), proxy.put(host + 1, IfrtSharding((0,)))
+    for _link, pending in proxy.suspend_on_workers():
+        pending.wait(60)
+    resumed = proxy.resume_on_workers()
+    dropped.delete()  # sent on the same stream, right behind the resume
+    for _link, pending in resumed:
+        pending.wait(60)
+    assert proxy.to_host(kept).tobytes() == host.tobytes()
+    assert dropped.is_deleted()

@@ -5,8 +5,11 @@ A suspended session keeps everything but its devices: its arrays wait in its wor
 client. Its client is never told: a request that arrives while the session is suspended is held,
 in order, and resumes it; once it has devices again, the held requests are served as if they had just
 arrived. The client sees latency, never an error. A request that only lets something go (an array or a
-program deleted, as Python's garbage collector does at any time) is held too but resumes nothing: it
-needs no device, and an idle notebook must not take its devices back because a variable went away.
+program deleted, as Python's garbage collector does at any time) resumes nothing: it needs no device,
+and an idle notebook must not take its devices back because a variable went away. Once the session is
+suspended, a request that lets arrays go is served at once (the workers drop those arrays' host copies,
+memory and files, then), and so is a check of a future that is done (the client checks an array's
+deletion); a program's deletion is held until the session runs.
 
 It resumes on the devices it had where it can (its arrays are there), else on others of the same shape
 (virtual devices: ``ClusterSession.relocate`` moves its arrays between workers, its programs compile
@@ -53,6 +56,8 @@ _LETS_GO = frozenset(
         "loaded_executable_delete_request",
     }
 )
+# Of those, the ones a suspended session serves at once.
+_LETS_ARRAYS_GO = frozenset({"destruct_array_request", "delete_array_request"})
 
 
 class State(enum.Enum):
@@ -100,6 +105,8 @@ class Suspension:
         self.last_request = time.monotonic()
         if self.state is State.running:
             return False
+        if self.state is State.suspended and self._move is None and self._needs_no_devices(request, kind):
+            return False
         self._held.append(request)
         if self.state is State.suspended and self._move is None and kind not in _LETS_GO:
             self._start(self._resume("a request arrived"))
@@ -107,6 +114,26 @@ class Suspension:
 
     def _held_one_that_resumes(self) -> bool:
         return any(request.WhichOneof("request") not in _LETS_GO for request in self._held)
+
+    def _needs_no_devices(self, request, kind: str | None) -> bool:
+        """Whether a suspended session serves ``request`` at once: it lets arrays go, or checks a finished future."""
+        if kind in _LETS_ARRAYS_GO:
+            return True
+        if kind == "check_future_request":
+            pending = self._session.futures.get(request.check_future_request.future_handle)
+            return pending is None or pending.done
+        return False
+
+    def _serve_held_that_need_no_devices(self) -> None:
+        """Serves the held requests that need no devices, once the session is suspended with nothing else to do."""
+        if self.state is not State.suspended or self._move is not None:
+            return
+        held, self._held = self._held, collections.deque()
+        for request in held:
+            if self._needs_no_devices(request, request.WhichOneof("request")):
+                self._session.handle(request)
+            else:
+                self._held.append(request)
 
     @property
     def idle_s(self) -> float:
@@ -147,6 +174,7 @@ class Suspension:
         if self.state is State.suspended and self._held_one_that_resumes():
             self._start(self._resume("a request arrived"))
         else:
+            self._serve_held_that_need_no_devices()
             self._check_drain()
 
     def _enter(self, state: State, reason: str) -> None:
@@ -157,7 +185,7 @@ class Suspension:
         session = self._session
         self._enter(State.suspending, reason)
         started = time.time()
-        nbytes = sum(record.nbytes for record in session.arrays.values() if record.ready and record.error is None)
+        nbytes = self._array_bytes()
         with session.context.activities.track("suspend", f"suspending ({reason})", session.tenant, nbytes):
             await self._on_workers(self._devices.suspend_on_workers(), "suspending")
         self._devices.give_back_devices()
@@ -165,8 +193,15 @@ class Suspension:
         self._enter(State.suspended, reason)
         session.events(event("suspend", f"suspended: {reason}", self._devices.device_ids, started, time.time(), nbytes))
 
+    def _array_bytes(self) -> int:
+        arrays = self._session.arrays.values()
+        return sum(
+            record.nbytes for record in arrays if record.ready and record.error is None and not record.is_deleted
+        )
+
     async def _resume(self, reason: str) -> None:
         session = self._session
+        self.suspended_bytes = self._array_bytes()  # (less what was let go meanwhile)
         self._cause = f"{self.reason}; resuming: {reason}"
         self._enter(State.queued, f"{self._cause}; waiting for its devices")
         started = time.time()
@@ -293,7 +328,7 @@ class Suspension:
             "state": self.state.value,
             "state_reason": self.reason,
             "idle_s": self.idle_s,
-            "suspended_bytes": self.suspended_bytes,
+            "suspended_bytes": self._array_bytes() if self.state is State.suspended else self.suspended_bytes,
             "state_since": self.since,
             "priority": self._devices.options.priority,  # (a single-process proxy's sessions have none)
         }

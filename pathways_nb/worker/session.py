@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
+from typing import Any
 
 import numpy as np
 
@@ -637,6 +638,7 @@ class WorkerSession:
                 f"relocate names {len(command.ids)} arrays, {len(command.new_ids)} new ids, {len(command.metas)} metas"
             )
         records = [self._record(array_id) for array_id in command.ids]
+        copies = [record.value for record in records if isinstance(record.value, HostCopy)]
 
         def send_all() -> None:
             started, total, ways = time.time(), 0, set()
@@ -657,7 +659,7 @@ class WorkerSession:
                 reply = pb.Reply(request=command.request, error=status_of(error))
             self._reply(reply)
 
-        self._background(send_all, sent)
+        self._background(_read_later(copies, lambda _copies: send_all()), sent)
 
     def _relocated(self, record: ArrayRecord, new_id: int, meta: pb.ArrayMeta, peer_session: str):
         """What a relocated array's push says (a header maker), and how to read its bytes (None: it says an error)
@@ -806,21 +808,25 @@ class WorkerSession:
         unsettled.pending.on_done(lambda _value, _error: self.on_loop(lambda: self._when_settled(then)))
 
     def _resume(self, command: pb.Resume) -> None:
-        """Puts the suspended arrays back on their devices; replies done."""
+        """Puts the suspended arrays back on their devices; replies done.
+
+        An array let go meanwhile (forgotten, deleted) is not put back: its copy goes once it has been read.
+        """
         records = [r for r in self.arrays.values() if isinstance(r.value, HostCopy) and not r.value.is_deleted()]
+        copies = [record.value for record in records]
 
         def restored(values, error: RequestError | None) -> None:
             if error is not None:
                 self._reply(pb.Reply(request=command.request, error=status_of(error)))
                 return
-            copies = [record.value for record in records]
-            for record, value in zip(records, values, strict=True):
-                record.replace(value)
+            for record, copy, value in zip(records, copies, values, strict=True):
+                if not copy.is_deleted():
+                    record.replace(value)
             self.suspended = False
             self._pool.submit(lambda: [copy.delete() for copy in copies])  # files to remove: not on the loop
             self._reply(pb.Reply(request=command.request, done=True))
 
-        self._background(lambda: to_devices([record.value for record in records]), restored)
+        self._background(_read_later(copies, to_devices), restored)
 
     # -- ending ----------------------------------------------------------------------------
 
@@ -837,3 +843,20 @@ class WorkerSession:
                 record.delete()  # after any read of it under way on another thread
         self._suspend_budget.forget(self._file_prefix)
         release_free_memory()
+
+
+def _read_later(copies: list[HostCopy], read: Callable[[list[HostCopy]], Any]) -> Callable[[], Any]:
+    """``read(copies)`` as work for the session's pool, the copies kept from now (on the loop) until it is done:
+    a forget or a delete that the loop serves before the read starts, or while it runs, deletes a copy after it.
+    """
+    for copy in copies:
+        copy.keep_for_read()
+
+    def read_them():
+        try:
+            return read(copies)
+        finally:
+            for copy in copies:
+                copy.read_done()
+
+    return read_them

@@ -24,6 +24,9 @@ import numpy as np
 from pathways_nb.core.dataflow import ArrayRecord
 from pathways_nb.protocol.errors import InvalidRequest
 
+# Guards copies' reads and deletions, and shards' counts of users: the loop and the session's pool both change them.
+_READS = threading.Lock()
+
 
 class HostBudget:
     """The bytes of suspended arrays this host keeps in memory; what does not fit goes to files under
@@ -92,9 +95,10 @@ class _Shard:
 
     def release(self, budget: HostBudget) -> None:
         """One copy less uses it: the last one frees its memory or removes its file."""
-        self.users -= 1
-        if self.users:
-            return
+        with _READS:
+            self.users -= 1
+            if self.users:
+                return
         if self.path is None:
             budget.give(self.nbytes)
             self.host = None
@@ -103,18 +107,24 @@ class _Shard:
 
 
 class HostCopy:
-    """One array's addressable shards off the devices, with what it takes to make the array again."""
+    """One array's addressable shards off the devices, with what it takes to make the array again.
 
-    __slots__ = ("_budget", "_deleted", "shape", "sharding", "shards")
+    A copy that a resume or a move reads on another thread is kept for that read (``keep_for_read``): the
+    session's client may let its array go meanwhile, and the copy then goes once the read is done.
+    """
+
+    __slots__ = ("_budget", "_delete_when_read", "_deleted", "_reads", "shape", "sharding", "shards")
 
     def __init__(self, value: Any, budget: HostBudget, shards: list[_Shard]):
         self.shape = value.shape
         self.sharding = value.sharding
         self._budget = budget
-        self._deleted = False
+        self._deleted = self._delete_when_read = False
+        self._reads = 0
         self.shards = shards
-        for shard in shards:
-            shard.users += 1
+        with _READS:
+            for shard in shards:
+                shard.users += 1
 
     @property
     def nbytes(self) -> int:
@@ -142,9 +152,28 @@ class HostCopy:
         return self._deleted
 
     def delete(self) -> None:
-        if self._deleted:
-            return
-        self._deleted = True
+        with _READS:
+            if self._deleted:
+                return
+            self._deleted = True
+            if self._reads:
+                self._delete_when_read = True
+                return
+        self._release_shards()
+
+    def keep_for_read(self) -> None:
+        """Keeps the shards for a read that starts later, on another thread, until ``read_done``."""
+        with _READS:
+            self._reads += 1
+
+    def read_done(self) -> None:
+        with _READS:
+            self._reads -= 1
+            release = not self._reads and self._delete_when_read
+        if release:
+            self._release_shards()
+
+    def _release_shards(self) -> None:
         for shard in self.shards:
             shard.release(self._budget)
         self.shards = []

@@ -1,5 +1,7 @@
-"""Connects to argv[1] (island 0), keeps argv[2] MiB of arrays and a compiled program, suspends its session,
-prints ``suspended`` and waits for a line on stdin, then uses it again; prints one JSON line of what it found.
+"""Connects to argv[1] (island 0), keeps argv[2] MiB of arrays, half as much more that it drops later, and a
+compiled program, suspends its session, prints ``suspended`` and waits for a line on stdin; then deletes and
+drops arrays, prints ``let go`` and waits for another line; then uses the session again and prints one JSON
+line of what it found.
 
 Arrays deleted and dropped while the session is suspended resume nothing; a program dispatched then resumes
 it and runs; every array comes back bitwise equal; the proxy compiles nothing again for it.
@@ -23,6 +25,7 @@ mesh = jax.make_mesh((len(devices),), ("x",), devices=devices)
 rows = mib * (1 << 20) // (4 * 1024)
 host = np.random.default_rng(0).standard_normal((rows, 1024), dtype=np.float32)
 big = jax.device_put(host, NamedSharding(mesh, PartitionSpec("x")))
+dropped_big = jax.device_put(host[: rows // 2], NamedSharding(mesh, PartitionSpec("x")))
 small = jax.device_put(np.arange(7, dtype=np.int8), devices[1])
 halves_host = np.asarray(jnp.linspace(0, 1, 64, dtype=jnp.bfloat16, device=jax.devices("cpu")[0]))
 halves = jax.device_put(halves_host, devices[0])
@@ -40,11 +43,13 @@ started = time.monotonic()
 session.suspend()
 suspend_s = time.monotonic() - started
 state_suspended = session.status
+print("suspended", flush=True)
+sys.stdin.readline()
 deleted.delete()  # a delete_array request
-del dropped  # a destruct_array request, sent by the client's flusher within milliseconds
+del dropped, dropped_big  # destruct_array requests, sent by the client's flusher within milliseconds
 time.sleep(0.5)
 state_after_letting_go = session.status
-print("suspended", flush=True)
+print("let go", flush=True)
 sys.stdin.readline()
 started = time.monotonic()
 result = step(big)  # resumes the session
