@@ -16,6 +16,7 @@ import itertools
 import math
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,8 @@ class HostBudget:
     ``spill_root`` (a directory per session).
 
     ``limit`` None: no limit. Shared by the host's sessions (thread-safe: copies run on the worker's pool).
+    Files are removed on a thread of the budget's own, in order: a copy is let go on the worker's loop (a
+    forget) as well as on its pool, and unlinking a big file is a wait the loop must not have.
     """
 
     def __init__(self, limit: int | None, spill_root: Path | None = None):
@@ -43,6 +46,7 @@ class HostBudget:
         self._used = 0
         self._lock = threading.Lock()
         self._names = itertools.count()
+        self._removals = ThreadPoolExecutor(1, thread_name_prefix="pathways-spill-removal")
 
     def take(self, nbytes: int) -> bool:
         """Counts ``nbytes`` as kept in memory, if they fit."""
@@ -66,11 +70,19 @@ class HostBudget:
         directory.mkdir(parents=True, exist_ok=True)
         return directory / f"{next(self._names)}.npy"
 
+    def remove(self, path: Path) -> None:
+        """Removes a spilled file, soon (after the removals asked for before)."""
+        self._removals.submit(path.unlink, missing_ok=True)
+
     def forget(self, session: str) -> None:
-        """Removes the session's directory (its files went with its arrays), if it has one."""
+        """Removes the session's directory (its files went with its arrays, or go first), if it has one."""
         if self._spill_root is not None:
-            with contextlib.suppress(OSError):
-                (self._spill_root / session).rmdir()
+            self._removals.submit(_remove_directory, self._spill_root / session)
+
+
+def _remove_directory(directory: Path) -> None:
+    with contextlib.suppress(OSError):
+        directory.rmdir()
 
 
 class _Shard:
@@ -103,7 +115,7 @@ class _Shard:
             budget.give(self.nbytes)
             self.host = None
         else:
-            self.path.unlink(missing_ok=True)
+            budget.remove(self.path)
 
 
 class HostCopy:
