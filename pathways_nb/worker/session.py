@@ -823,7 +823,8 @@ class WorkerSession:
                 if not copy.is_deleted():
                     record.replace(value)
             self.suspended = False
-            self._pool.submit(lambda: [copy.delete() for copy in copies])  # files to remove: not on the loop
+            for copy in copies:
+                copy.delete()  # (its memory and files go on the budget's own thread)
             self._reply(pb.Reply(request=command.request, done=True))
 
         self._background(_read_later(copies, to_devices), restored)

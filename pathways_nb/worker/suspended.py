@@ -34,8 +34,9 @@ class HostBudget:
     ``spill_root`` (a directory per session).
 
     ``limit`` None: no limit. Shared by the host's sessions (thread-safe: copies run on the worker's pool).
-    Files are removed on a thread of the budget's own, in order: a copy is let go on the worker's loop (a
-    forget) as well as on its pool, and unlinking a big file is a wait the loop must not have.
+    Copies are let go on a thread of the budget's own, in order: a copy is let go on the worker's loop (a
+    forget) as well as on its pool, and freeing a big buffer or unlinking a big file is a wait the loop must
+    not have.
     """
 
     def __init__(self, limit: int | None, spill_root: Path | None = None):
@@ -46,7 +47,7 @@ class HostBudget:
         self._used = 0
         self._lock = threading.Lock()
         self._names = itertools.count()
-        self._removals = ThreadPoolExecutor(1, thread_name_prefix="pathways-spill-removal")
+        self._releases = ThreadPoolExecutor(1, thread_name_prefix="pathways-suspended-release")
 
     def take(self, nbytes: int) -> bool:
         """Counts ``nbytes`` as kept in memory, if they fit."""
@@ -70,14 +71,14 @@ class HostBudget:
         directory.mkdir(parents=True, exist_ok=True)
         return directory / f"{next(self._names)}.npy"
 
-    def remove(self, path: Path) -> None:
-        """Removes a spilled file, soon (after the removals asked for before)."""
-        self._removals.submit(path.unlink, missing_ok=True)
+    def release_later(self, shards: list[_Shard]) -> None:
+        """Lets go of ``shards`` for one copy (see ``_Shard.release``), soon, after what was let go before."""
+        self._releases.submit(lambda: [shard.release(self) for shard in shards])
 
     def forget(self, session: str) -> None:
         """Removes the session's directory (its files went with its arrays, or go first), if it has one."""
         if self._spill_root is not None:
-            self._removals.submit(_remove_directory, self._spill_root / session)
+            self._releases.submit(_remove_directory, self._spill_root / session)
 
 
 def _remove_directory(directory: Path) -> None:
@@ -115,7 +116,7 @@ class _Shard:
             budget.give(self.nbytes)
             self.host = None
         else:
-            budget.remove(self.path)
+            self.path.unlink(missing_ok=True)
 
 
 class HostCopy:
@@ -186,9 +187,8 @@ class HostCopy:
             self._release_shards()
 
     def _release_shards(self) -> None:
-        for shard in self.shards:
-            shard.release(self._budget)
-        self.shards = []
+        shards, self.shards = self.shards, []
+        self._budget.release_later(shards)
 
 
 def movable(record: ArrayRecord) -> bool:
