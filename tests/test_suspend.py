@@ -97,6 +97,7 @@ def test_suspended_session_keeps_its_arrays_and_programs(suspending_cluster, ope
         "the dropped array's files removed",
         holds=lambda left: left <= spilled - (128 * MIB - BUDGET),
     )
+    assert _session_of(operator, "sleeper").state == "suspended"  # letting go (and checking it) resumed nothing
     _tell(client, "resume")
     found = json.loads(finished_ok(client, 300).splitlines()[-1])
     wait_until(lambda: _spilled_bytes(suspending_cluster), 30, "the files removed", holds=lambda left: left == 0)
