@@ -1,11 +1,12 @@
 """Many sessions on one proxy: 1 to 200 wire-level sessions against a 2-island cluster.
 
-    python benchmarks/sessions.py [--sessions 1,10,50,200] [--seconds 60] [--clients 8]
+    python benchmarks/sessions.py [--sessions 1,10,50,200] [--seconds 60] [--clients 1]
 
 Starts ``LocalCluster(islands=2, devices_per_host=2)`` and, per row, runs
-``pathways_nb.testing.many_sessions``: that many sessions (``WireSession``, the IFRT proxy protocol
-spoken directly; not that many JAX processes), spread over ``--clients`` client processes, each
-session compiling ``x * 2 + 1`` on one device and, after an idle window, looping for ``--seconds``:
+``pathways_nb.testing.many_sessions``: that many sessions (``AsyncWireSession``, the IFRT proxy
+protocol spoken directly over a connection each; not that many JAX processes), coroutines of one event
+loop in each of ``--clients`` client processes (so that they take turns fairly), each session
+compiling ``x * 2 + 1`` on one device and, after an idle window, looping for ``--seconds``:
 upload 4 KiB and make it an array, execute, read the result back (checked), forget both arrays
 (seven requests and calls per round). The proxy's CPU time and RSS are read from its process, apart
 from the clients'. Per row: sessions served, rounds per second, a round's time (p50, p99),
@@ -64,7 +65,9 @@ def main() -> None:
     parser.add_argument("--sessions", default="1,10,50,200", help="comma-separated session counts, one row each")
     parser.add_argument("--seconds", type=float, default=60.0, help="how long every session loops, per row")
     parser.add_argument("--idle", type=float, default=10.0, help="seconds the proxy is measured idle, per row")
-    parser.add_argument("--clients", type=int, default=8, help="client processes the sessions are spread over")
+    parser.add_argument(
+        "--clients", type=int, default=1, help="client processes the sessions are spread over (coroutines in each)"
+    )
     args = parser.parse_args()
     with LocalCluster(islands=2, devices_per_host=2) as cluster:
         pid = cluster.proxy.process.pid

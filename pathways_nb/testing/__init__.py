@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import os
 import queue
 import signal
@@ -30,10 +29,15 @@ import grpc
 from pathways_nb.core.exit_status import exit_description
 from pathways_nb.launch.processes import ChildServer
 from pathways_nb.protocol import schema
-
-SERVICE = "/xla.ifrt.proxy.GrpcIfrtService/"
-SESSION_METADATA_KEY = "ifrt-proxy-grpc-ifrt-session-metadata-bin"
-STORE_METADATA_KEY = "ifrt-proxy-grpc-host-buffer-store-metadata-bin"
+from pathways_nb.testing.wire_requests import (  # noqa: F401 - SESSION_METADATA_KEY, STORE_METADATA_KEY: for tests
+    SERVICE,
+    SESSION_METADATA_KEY,
+    STORE_METADATA_KEY,
+    WireRequests,
+    expect_reply,
+    identity,
+    read_status_checked,
+)
 
 T = TypeVar("T")
 
@@ -78,31 +82,19 @@ def proxy_process(devices: int = 4, *extra_args: str, startup_timeout_s: float =
         server.close()
 
 
-def _identity(data: bytes) -> bytes:
-    return data
-
-
-class WireSession:
+class WireSession(WireRequests):
     """One IFRT proxy session driven by hand: send requests, read replies by op id."""
 
     def __init__(self, address: str, protocol_version: int = 25, serdes_version: int = 0):
-        self.messages = schema.load()
-        target = address.removeprefix("grpc://")
-        self.channel = grpc.insecure_channel(target)
-        self._op_ids = itertools.count(1)
+        super().__init__(protocol_version, serdes_version)
+        self.channel = grpc.insecure_channel(address.removeprefix("grpc://"))
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
-        metadata = self.messages.proxy.GrpcIfrtSessionMetadata()
-        metadata.version.protocol_version = protocol_version
-        metadata.version.ifrt_serdes_version_number = serdes_version
         stream = self.channel.stream_stream(
             SERVICE + "IfrtSession",
-            request_serializer=_identity,
+            request_serializer=identity,
             response_deserializer=self.messages.proxy.IfrtResponse.FromString,
         )
-        self._responses = stream(
-            iter(self._requests.get, None),
-            metadata=((SESSION_METADATA_KEY, metadata.SerializeToString()),),
-        )
+        self._responses = stream(iter(self._requests.get, None), metadata=self.session_metadata())
         self.init_response = self.call("init_request", self.messages.proxy.InitRequest()).init_response
         self.session_id = self.init_response.session_id
 
@@ -111,11 +103,8 @@ class WireSession:
         self._requests.put(data)
 
     def send(self, kind: str, body) -> int:
-        request = self.messages.proxy.IfrtRequest()
-        op_id = next(self._op_ids)
-        request.request_metadata.op_id = op_id
-        getattr(request, kind).CopyFrom(body)
-        self._requests.put(request.SerializeToString())
+        op_id, data = self.request(kind, body)
+        self._requests.put(data)
         return op_id
 
     def receive(self):
@@ -125,28 +114,17 @@ class WireSession:
     def call(self, kind: str, body):
         """Sends one request and returns its reply (other replies must not be outstanding)."""
         op_id = self.send(kind, body)
-        response = self.receive()
-        if response.response_metadata.op_id != op_id:
-            raise AssertionError(f"reply to op {response.response_metadata.op_id} while waiting for {op_id}")
-        return response
+        return expect_reply(self.receive(), op_id)
 
     def store_host_buffer(self, handle: int, data: bytes, declared_size: int | None = None) -> None:
         """Uploads ``data`` under ``handle`` (``HostBufferStore``), in 1 MiB chunks."""
-        metadata = self.messages.proxy.GrpcHostBufferStoreMetadata(
-            session_id=self.session_id,
-            handle=handle,
-            buffer_size=len(data) if declared_size is None else declared_size,
-        )
         store = self.channel.stream_unary(
             SERVICE + "HostBufferStore",
             request_serializer=self.messages.proxy.GrpcHostBufferStoreRequest.SerializeToString,
             response_deserializer=self.messages.proxy.GrpcHostBufferStoreResponse.FromString,
         )
-        chunks = (
-            self.messages.proxy.GrpcHostBufferStoreRequest(data=data[i : i + (1 << 20)])
-            for i in range(0, len(data), 1 << 20)
-        )
-        store(chunks, metadata=((STORE_METADATA_KEY, metadata.SerializeToString()),))
+        size = len(data) if declared_size is None else declared_size
+        store(iter(self.store_chunks(data)), metadata=self.store_metadata(handle, size))
 
     def lookup_host_buffer(self, handle: int) -> bytes:
         lookup = self.channel.unary_stream(
@@ -154,8 +132,7 @@ class WireSession:
             request_serializer=self.messages.proxy.GrpcHostBufferLookupRequest.SerializeToString,
             response_deserializer=self.messages.proxy.GrpcHostBufferLookupResponse.FromString,
         )
-        request = self.messages.proxy.GrpcHostBufferLookupRequest(session_id=self.session_id, handle=handle)
-        return b"".join(chunk.data for chunk in lookup(request))
+        return b"".join(chunk.data for chunk in lookup(self.lookup_request(handle)))
 
     def delete_host_buffer(self, handle: int) -> None:
         delete = self.channel.unary_unary(
@@ -163,62 +140,34 @@ class WireSession:
             request_serializer=self.messages.proxy.GrpcHostBufferDeleteRequest.SerializeToString,
             response_deserializer=self.messages.proxy.GrpcHostBufferDeleteResponse.FromString,
         )
-        delete(self.messages.proxy.GrpcHostBufferDeleteRequest(session_id=self.session_id, handle=handle))
+        delete(self.delete_request(handle))
 
     # -- arrays and programs, as the stock client asks for them ----------------------------
 
     def make_array(self, handle: int, value, device: int) -> None:
         """Uploads ``value`` (a numpy array) and makes it array ``handle`` on ``device`` (the host buffer
         gets the same handle)."""
-        from pathways_nb.protocol import dtypes
-
         self.store_host_buffer(handle, value.tobytes())
-        request = self.array_request(handle, value.shape, dtypes.from_numpy(value.dtype), device)
-        self.call("make_array_from_host_buffer_request", request)
-
-    def array_request(self, handle: int, shape, kind: int, device: int):
-        """A MakeArrayFromHostBufferRequest of host buffer ``handle`` into array ``handle`` (``kind``: the
-        IFRT dtype kind)."""
-        from pathways_nb.protocol import shardings
-
-        request = self.messages.proxy.MakeArrayFromHostBufferRequest(host_buffer_handle=handle, array_handle=handle)
-        request.dtype.kind = kind
-        request.shape.dims.extend(shape)
-        request.sharding.CopyFrom(shardings.IfrtSharding((device,)).to_proto())
-        return request
+        self.call("make_array_from_host_buffer_request", self.value_request(handle, value, device))
 
     def read_array(self, array_handle: int, host_handle: int) -> bytes:
         """The bytes of an array, through host buffer ``host_handle`` (deleted afterwards)."""
-        response = self.call(
-            "copy_to_host_buffer_request",
-            self.messages.proxy.CopyToHostBufferRequest(array_handle=array_handle, host_buffer_handle=host_handle),
-        )
-        status = response.response_metadata.status
-        if status.code:
-            raise AssertionError(f"reading array {array_handle} failed: {status.message}")
+        response = self.call("copy_to_host_buffer_request", self.copy_request(array_handle, host_handle))
+        read_status_checked(response, array_handle)
         data = self.lookup_host_buffer(host_handle)
         self.delete_host_buffer(host_handle)
         return data
 
     def compile(self, program: tuple[bytes, bytes]):
         """The CompileResponse for ``program`` (from ``lowered_program``)."""
-        artifact, options = program
-        request = self.messages.proxy.CompileRequest()
-        request.program.type_name = "xla::ifrt::XlaProgram"
-        request.program.data = artifact
-        request.compile_options.type_name = "xla::ifrt::XlaCompileOptions"
-        request.compile_options.data = options
-        return self.call("compile_request", request)
+        return self.call("compile_request", self.compile_request(program))
 
     def execute(self, executable: int, args: list[int], results: list[int]):
-        request = self.messages.proxy.LoadedExecutableExecuteRequest(
-            loaded_executable_handle=executable, args_handles=args, result_array_handle=results
-        )
-        return self.call("loaded_executable_execute_request", request)
+        return self.call("loaded_executable_execute_request", self.execute_request(executable, args, results))
 
     def destruct(self, handles: list[int]) -> None:
         """Forgets arrays, as the client does when it drops them."""
-        self.call("destruct_array_request", self.messages.proxy.DestructArrayRequest(array_handle=handles))
+        self.call("destruct_array_request", self.destruct_request(handles))
 
     def close(self) -> None:
         self._requests.put(None)

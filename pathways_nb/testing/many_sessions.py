@@ -1,16 +1,20 @@
 """Many sessions on one proxy: wire-level sessions, each looping a small upload and a small program.
 
-A session here is a ``WireSession`` (the IFRT proxy protocol spoken request
-by request), not a JAX process: the stock client opens one session per
-process, and 200 JAX processes would measure the machine, not the proxy. The
-sessions live in a few client processes (threads inside), apart from the
-proxy, whose CPU time and memory are read from its process. Each session
-compiles ``x * 2 + 1`` on one device of its allocation (sessions spread over
-both islands' devices), runs one round to warm up, and then, while the run
-lasts, loops: upload 4 KiB and make it an array, execute, read the result
-back (checked), forget both arrays. Before the loop every session is idle for
-a while (it has compiled and run once), and the proxy's CPU time over that
-window is compared with the same window before any session was open.
+A session here is an ``AsyncWireSession`` (the IFRT proxy protocol spoken
+request by request, over a connection of its own), not a JAX process: the
+stock client opens one session per process, and 200 JAX processes would
+measure the machine, not the proxy. The sessions are coroutines of one event
+loop in each of a few client processes (one, unless told), apart from the
+proxy, whose CPU time and memory are read from its process. Coroutines take
+turns in the order their replies come, so a session served less than another
+was served less by the servers; threads would take turns as the OS and the GIL
+chose (a CI run gave two sessions of one process 18 and 144 rounds).
+Each session compiles ``x * 2 + 1`` on one device of its allocation (sessions
+spread over both islands' devices), runs one round to warm up, and then, while
+the run lasts, loops: upload 4 KiB and make it an array, execute, read the
+result back (checked), forget both arrays. Before the loop every session is
+idle for a while (it has compiled and run once), and the proxy's CPU time over
+that window is compared with the same window before any session was open.
 
 ``benchmarks/sessions.py`` runs it with 200 sessions for 60 s; the test suite
 with 50 for 10 s.
@@ -18,10 +22,10 @@ with 50 for 10 s.
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import queue
 import statistics
-import threading
 import time
 import traceback
 from collections.abc import Sequence
@@ -30,7 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 import psutil
 
-from pathways_nb.testing import WireSession, lowered_program
+from pathways_nb.testing import lowered_program
+from pathways_nb.testing.async_wire import AsyncWireSession
 
 # The payload of one upload: 1024 float32 (4 KiB).
 ELEMENTS = 1024
@@ -87,7 +92,7 @@ def run(
     proxy_pid: int,
     sessions: int,
     seconds: float,
-    clients: int = 8,
+    clients: int = 1,
     idle_window_s: float = 5.0,
     timeout_s: float = 600.0,
 ) -> SessionsRun:
@@ -189,66 +194,73 @@ def _expect(results, kind: str, processes: list, deadline: float) -> list:
 class _Looping:
     """One session: its device, its program, and the handles it uses next."""
 
-    def __init__(self, address: str, index: int, programs: dict[int, tuple[bytes, bytes]]):
-        self.wire = WireSession(address)
-        devices = list(self.wire.init_response.primary_device_ids)
+    def __init__(self, wire: AsyncWireSession, index: int):
+        self.wire = wire
+        devices = list(wire.init_response.primary_device_ids)
         self.device = devices[index % len(devices)]
         self.value = np.full(ELEMENTS, index % 1000, np.float32)
         self.expected = _program(self.value).tobytes()
-        program = programs.get(self.device)
-        if program is None:
-            program = programs[self.device] = lowered_program(_program, self.value, [self.device])
-        compiled = self.wire.compile(program)
-        if compiled.response_metadata.status.code:
-            raise RuntimeError(f"compiling failed: {compiled.response_metadata.status.message}")
-        self.executable = compiled.compile_response.loaded_executable_handle
+        self.executable = 0
         self._handles = iter(range(1_000_000, 1 << 62, 3))
 
-    def once(self) -> None:
+    @classmethod
+    async def start(cls, address: str, index: int, programs: dict[int, tuple[bytes, bytes]]) -> _Looping:
+        """A session that has compiled its program and run one round."""
+        session = cls(await AsyncWireSession.open(address), index)
+        program = programs.get(session.device)
+        if program is None:  # lowering is JAX's, on this thread: once per device, before any round
+            program = programs[session.device] = lowered_program(_program, session.value, [session.device])
+        compiled = await session.wire.compile(program)
+        if compiled.response_metadata.status.code:
+            raise RuntimeError(f"compiling failed: {compiled.response_metadata.status.message}")
+        session.executable = compiled.compile_response.loaded_executable_handle
+        await session.once()
+        return session
+
+    async def once(self) -> None:
         """Uploads, executes, reads back (checked), forgets."""
         argument = next(self._handles)
         result, host = argument + 1, argument + 2
-        self.wire.make_array(argument, self.value, self.device)
-        status = self.wire.execute(self.executable, [argument], [result]).response_metadata.status
+        await self.wire.make_array(argument, self.value, self.device)
+        status = (await self.wire.execute(self.executable, [argument], [result])).response_metadata.status
         if status.code:
             raise RuntimeError(f"execute failed: {status.message}")
-        if self.wire.read_array(result, host) != self.expected:
+        if await self.wire.read_array(result, host) != self.expected:
             raise RuntimeError(f"a wrong result on device {self.device}")
-        self.wire.destruct([argument, result])
+        await self.wire.destruct([argument, result])
 
-
-def _client(address: str, indices: Sequence[int], seconds: float, go, finish, results) -> None:
-    try:
-        programs: dict[int, tuple[bytes, bytes]] = {}  # by device: lowered once per process
-        sessions = [_Looping(address, index, programs) for index in indices]
-        for session in sessions:
-            session.once()
-    except Exception:  # noqa: BLE001 - reported to the parent, which raises it
-        results.put(("failed", traceback.format_exc()))
-        return
-    results.put(("ready", len(sessions)))
-    go.wait()
-    outcomes: list[tuple[int, list[float]]] = [(0, [])] * len(sessions)
-    failures: list[str] = []
-    ends = time.monotonic() + seconds
-
-    def loop(position: int, session: _Looping) -> None:
+    async def loop(self, ends: float, failures: list[str]) -> tuple[int, list[float]]:
+        """Rounds until ``ends`` (monotonic): how many, and each one's time."""
         times = []
         try:
             while time.monotonic() < ends:
                 started = time.perf_counter()
-                session.once()
+                await self.once()
                 times.append(time.perf_counter() - started)
         except Exception as error:  # noqa: BLE001 - counted as a session not served
-            failures.append(f"session on device {session.device}: {error}")
-        outcomes[position] = (len(times), times)
+            failures.append(f"session on device {self.device}: {error}")
+        return len(times), times
 
-    threads = [threading.Thread(target=loop, args=(i, s), daemon=True) for i, s in enumerate(sessions)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    results.put(("done", (outcomes, failures)))
-    finish.wait()
+
+def _client(address: str, indices: Sequence[int], seconds: float, go, finish, results) -> None:
+    asyncio.run(_sessions(address, indices, seconds, go, finish, results))
+
+
+async def _sessions(address: str, indices: Sequence[int], seconds: float, go, finish, results) -> None:
+    programs: dict[int, tuple[bytes, bytes]] = {}  # by device: lowered once per process
+    sessions: list[_Looping] = []
+    try:
+        for index in indices:
+            sessions.append(await _Looping.start(address, index, programs))
+    except Exception:  # noqa: BLE001 - reported to the parent, which raises it
+        results.put(("failed", traceback.format_exc()))
+        return
+    results.put(("ready", len(sessions)))
+    await asyncio.to_thread(go.wait)
+    failures: list[str] = []
+    ends = time.monotonic() + seconds
+    outcomes = await asyncio.gather(*(session.loop(ends, failures) for session in sessions))
+    results.put(("done", (list(outcomes), failures)))
+    await asyncio.to_thread(finish.wait)
     for session in sessions:
-        session.wire.close()
+        await session.wire.close()
