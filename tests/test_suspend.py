@@ -412,6 +412,37 @@ def test_a_suspended_session_resumes_on_other_devices_of_the_same_shape(suspendi
         assert _line(taker) == "released"
 
 
+def test_a_move_whose_new_worker_dies_midway_is_made_again(suspending_cluster, operator):
+    """mover is suspended on island 0 and taker takes it; island 1's worker is stopped, so that mover's move there
+    hangs halfway (its arrays on their way), and then killed. The old worker still holds the arrays' host copies:
+    the proxy gives the new devices back and asks again, and mover resumes where devices are free once the worker
+    is back (on island 1, or on its own island 0 if taker went idle meanwhile and gave it back), with every array
+    bitwise equal and its programs running."""
+    with _ended_at_the_end() as processes:
+        mover = _moving(suspending_cluster, "unmoved", 2, processes)
+        session = _session_of(operator, "unmoved")
+        assert list(session.device_ids) == [0, 1]
+        operator.control_sessions(pb.SessionControl.SUSPEND, session_ids=[session.session_id])
+        taker = _takes(suspending_cluster, "squatter", 0, 0, processes)
+        target = suspending_cluster.workers[(1, 0)].process.pid
+        os.kill(target, signal.SIGSTOP)
+        try:
+            _tell(mover, "check")  # resumes it on island 1: its move there waits on the stopped worker
+            wait_until(lambda: _session_of(operator, "unmoved").state, 30, "the move starts", holds="resuming".__eq__)
+        finally:
+            suspending_cluster.kill_worker(1)
+        found = json.loads(_line(mover))
+        assert all(found.values()), found
+        session = _session_of(operator, "unmoved")
+        assert session.state == "running" and list(session.device_ids) in ([0, 1], [2, 3]), session
+        log = Path(suspending_cluster.log_paths["proxy"]).read_text()
+        assert f"session {session.session_id}: moving to other devices failed" in log
+        _tell(mover, "done")
+        finished_ok(mover, 60)
+        _tell(taker, "done")
+        assert _line(taker) == "released"
+
+
 def test_an_operator_drains_a_host_and_stops_it_without_losing_work(suspending_cluster, operator, capsys):
     """Two sessions keep arrays on island 0's host; pathways-nb drain 0/0 moves both to island 1's, reports the
     host drained, and its worker is killed: both go on with every array intact. Draining an unknown host, or

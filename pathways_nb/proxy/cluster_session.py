@@ -20,6 +20,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -843,20 +844,23 @@ class ClusterSession:
         self._lease = lease
         lease.hold(self.session_id)
 
-    def relocate(self, values: Sequence) -> list[tuple[WorkerLink, Pending]]:
+    def relocate(self, values: Sequence) -> Move:
         """Moves the suspended session to the devices its new lease granted, if they are others (virtual devices).
 
         The client's device ids stay; each now means the granted device at the same place (host order, local
         id). Each old worker sends the session's arrays in ``values`` (its suspended host copies) straight to its
         new worker, which puts them on the devices; the proxy's references point there at once (commands that use
         them wait there for them). Programs compile on the new workers at their first use there, in the same local
-        ids. Returns each old worker's pending answer; then ``drop_links`` ends the streams to them.
+        ids. Returns the move: each old worker's pending answer, and what ``move_back`` needs; once those are
+        answered and the move held (``Move.failure``), ``drop_links`` ends the streams to the old workers
+        (``Move.old_links``).
         """
         granted = list(self._lease.granted.devices)
         if sorted(d.id for d in granted) == sorted(self.physical_device_ids):
-            return []
+            return Move({}, [])
         old = [self._devices[d] for d in self._device_ids]
         new = _same_places(old, granted)
+        move = Move(dict(self._physical), old)
         moved: list[pb.Device] = []
         for before, after in zip(old, new, strict=True):
             device = pb.Device()
@@ -873,15 +877,19 @@ class ClusterSession:
         )
         with self._lock:
             links = {worker_id: self._links.get(worker_id) for worker_id in workers}
-        asked = []
         for worker_id, target_device in workers.items():
             source = links[worker_id]
             if source is None or not source.alive:
                 continue  # nothing there, or lost with its worker (reading it says so)
-            asked.append((source, self._send_suspended(source, self._link(target_device), values)))
-        return asked
+            try:
+                target = self._link(target_device)
+            except RequestError as error:  # granted before the cluster learnt that its worker had died
+                move.unreached.append((source, error.message))
+                continue
+            move.asked.append((source, self._send_suspended(source, target, values, move)))
+        return move
 
-    def _send_suspended(self, source: WorkerLink, target: WorkerLink, values: Sequence) -> Pending:
+    def _send_suspended(self, source: WorkerLink, target: WorkerLink, values: Sequence, move: Move) -> Pending:
         """Has ``source``'s worker send its suspended arrays among ``values`` to ``target``'s; re-points them."""
         arrays = [a for a in _remote_arrays(values) if a.link is source and not a.is_deleted()]
         relocate = pb.Relocate(peer_address=target.address, peer_session=target.session_key)
@@ -892,13 +900,30 @@ class ClusterSession:
             relocate.new_ids.append(target.new_id())
             relocate.metas.add().CopyFrom(array_meta(array.kind, array.shape, self._local(array.sharding, where)))
         sent = source.request(pb.Command(relocate=relocate), "relocate")
+        move.targets.append((target, list(relocate.new_ids)))
         for array, new_id, meta in zip(arrays, relocate.new_ids, relocate.metas, strict=True):
             target.send(pb.Command(expect=pb.Expect(id=new_id, meta=meta)))
             sent.on_done(
                 lambda _reply, error, new_id=new_id, meta=meta: _fail_if_not_sent(error, source, target, new_id, meta)
             )
+            move.arrays.append((array, array.link, array.array_id))
             array.link, array.array_id = target, new_id
         return sent
+
+    def move_back(self, move: Move) -> None:
+        """Undoes a move that did not hold: the arrays are the old workers' again (their streams, and the host copies
+        on them, are still open), the client's device ids mean the old devices, and what reached a new worker that
+        is still there is forgotten. The caller gives the granted devices back and asks again."""
+        for array, source, array_id in move.arrays:
+            array.link, array.array_id = source, array_id
+        for target, ids in move.targets:
+            if target.alive and ids:
+                try:
+                    target.send(pb.Command(forget=pb.Forget(ids=ids, delete=True)))
+                except RequestError:
+                    pass  # lost meanwhile: so are the copies there
+        self._physical = move.physical
+        self._take(move.devices)
 
     def drop_links(self, links: Sequence[WorkerLink]) -> None:
         """Ends the streams to workers the session moved away from (their sessions there end, and their copies)."""
@@ -995,6 +1020,36 @@ def _colocated_device(device: pb.Device) -> pb.Device:
     cpu.memory_kinds[:] = device.colocated.memory_kinds
     cpu.local_hardware_id = device.colocated.local_hardware_id
     return cpu
+
+
+@dataclass
+class Move:
+    """A suspended session's move to other devices (``ClusterSession.relocate``), and what undoes it."""
+
+    physical: dict[int, int]  # the client's device ids' devices before
+    devices: list[pb.Device]  # the session's devices before
+    asked: list[tuple[WorkerLink, Pending]] = field(default_factory=list)  # each old worker's pending answer
+    targets: list[tuple[WorkerLink, list[int]]] = field(default_factory=list)  # each new worker, and the ids sent it
+    arrays: list[tuple[RemoteArray, WorkerLink, int]] = field(default_factory=list)  # each array's link and id before
+    # old workers not asked to send, as their new ones could not be reached, and why
+    unreached: list[tuple[WorkerLink, str]] = field(default_factory=list)
+
+    @property
+    def old_links(self) -> list[WorkerLink]:
+        """The streams to the old workers that hold what moves."""
+        return [link for link, _ in self.asked] + [link for link, _ in self.unreached]
+
+    def failure(self) -> str:
+        """Why the move did not hold, once every old worker answered: a new worker that died or could not be
+        reached, or an old one that could not send (its arrays would be lost); "" if it held."""
+        failures = [why for _link, why in self.unreached]
+        failures += [
+            f"{source.describe()} could not send: {as_request_error(pending.error).message}"
+            for source, pending in self.asked
+            if pending.error is not None
+        ]
+        failures += [f"{target.describe()} was lost" for target, _ids in self.targets if not target.alive]
+        return "; ".join(failures)
 
 
 class _HostRun:

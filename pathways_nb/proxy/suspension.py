@@ -13,7 +13,8 @@ deletion); a program's deletion is held until the session runs.
 
 It resumes on the devices it had where it can (its arrays are there), else on others of the same shape
 (virtual devices: ``ClusterSession.relocate`` moves its arrays between workers, its programs compile
-there at their first use, and its client's device ids stay what they were).
+there at their first use, and its client's device ids stay what they were). A move that did not hold (a
+new worker died on the way) is undone, as the old workers still hold the copies, and made again.
 
 Who suspends: the session's client or an operator (``Observe.ControlSessions``); the resource
 manager, through the session's allocation (``Wanted``), when a request of a higher priority waits
@@ -36,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from pathways_nb.core.dataflow import wait_on_loop
 from pathways_nb.core.events import event
-from pathways_nb.core.retry import Retry
+from pathways_nb.core.retry import Backoff, Retry
 from pathways_nb.protocol.errors import RequestError, as_request_error
 from pathways_nb.proxy.cluster_session import ClusterSession
 from pathways_nb.rpc import cluster_pb2 as pb
@@ -46,6 +47,11 @@ if TYPE_CHECKING:
 
 _LOGGER = logging.getLogger(__name__)
 
+
+# How often a resuming session moves to other devices when a new worker dies on the way (the old workers still
+# hold its arrays' host copies, so it asks for devices again and moves again); the last time, what did not arrive
+# is lost, as it is when any worker dies.
+MOVE_ATTEMPTS = 5
 
 # Requests that only let go of something: held while the session is suspended, but never the reason it resumes.
 _LETS_GO = frozenset(
@@ -202,21 +208,33 @@ class Suspension:
     async def _resume(self, reason: str) -> None:
         session = self._session
         self.suspended_bytes = self._array_bytes()  # (less what was let go meanwhile)
-        self._cause = f"{self.reason}; resuming: {reason}"
-        self._enter(State.queued, f"{self._cause}; waiting for its devices")
+        self._cause = cause = f"{self.reason}; resuming: {reason}"
         started = time.time()
-        with session.context.activities.track("wait", "resuming: waiting for its devices", session.tenant):
-            lease = await self._devices_again()
-        if lease is None:
-            return
-        self._enter(State.resuming, reason)
-        self._devices.take_devices(lease)
-        with session.context.activities.track("resume", "resuming", session.tenant, self.suspended_bytes):
-            values = [record.value for record in session.arrays.values() if record.ready and record.error is None]
-            moves = self._devices.relocate(values)
-            await self._on_workers(moves, "moving to other devices")
-            self._devices.drop_links([link for link, _pending in moves])
-            await self._on_workers(self._devices.resume_on_workers(), "resuming")
+        backoff = None
+        for attempt in range(1, MOVE_ATTEMPTS + 1):
+            self._enter(State.queued, f"{self._cause}; waiting for its devices")
+            if backoff is not None:
+                await asyncio.sleep(backoff)
+            with session.context.activities.track("wait", "resuming: waiting for its devices", session.tenant):
+                lease = await self._devices_again()
+            if lease is None:
+                return
+            self._enter(State.resuming, reason)
+            self._devices.take_devices(lease)
+            with session.context.activities.track("resume", "resuming", session.tenant, self.suspended_bytes):
+                values = [record.value for record in session.arrays.values() if record.ready and record.error is None]
+                move = self._devices.relocate(values)
+                await self._on_workers(move.asked, "moving to other devices")
+                failure = move.failure()
+                if not failure or attempt == MOVE_ATTEMPTS:  # the last time, what did not arrive is lost
+                    self._devices.drop_links(move.old_links)
+                    await self._on_workers(self._devices.resume_on_workers(), "resuming")
+                    break
+                self._devices.move_back(move)
+                self._devices.give_back_devices()
+            _LOGGER.warning("session %d: moving to other devices failed (%s); again", session.session_id, failure)
+            self._cause = f"{cause}; moving again ({failure})"
+            backoff = Backoff().after(backoff)
         session.events(
             event("resume", f"resumed: {reason}", self._devices.device_ids, started, time.time(), self.suspended_bytes)
         )
