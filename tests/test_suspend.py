@@ -397,16 +397,21 @@ def _intact_after_the_move(mover, operator: Observer, tenant: str, devices: list
     finished_ok(mover, 60)
 
 
+def _suspended_and_island_0_taken(cluster: LocalCluster, operator: Observer, mover: str, taker: str, processes: list):
+    """A ``_moving`` client with island 0's two devices, suspended, and a client that then took island 0."""
+    moving = _moving(cluster, mover, 2, processes)
+    session = _session_of(operator, mover)
+    assert list(session.device_ids) == [0, 1]
+    operator.control_sessions(pb.SessionControl.SUSPEND, session_ids=[session.session_id])
+    return moving, _takes(cluster, taker, 0, 0, processes)
+
+
 def test_a_suspended_session_resumes_on_other_devices_of_the_same_shape(suspending_cluster, operator):
     """Virtual devices: mover holds island 0 (any island would do) and is suspended; taker takes island 0; mover's
     next call resumes it on island 1. Its arrays moved there bitwise equal, its program runs there, a new one
     compiles there, and its jax.devices() and shardings are what they were."""
     with _ended_at_the_end() as processes:
-        mover = _moving(suspending_cluster, "mover", 2, processes)
-        session = _session_of(operator, "mover")
-        assert list(session.device_ids) == [0, 1]
-        operator.control_sessions(pb.SessionControl.SUSPEND, session_ids=[session.session_id])
-        taker = _takes(suspending_cluster, "taker", 0, 0, processes)
+        mover, taker = _suspended_and_island_0_taken(suspending_cluster, operator, "mover", "taker", processes)
         _intact_after_the_move(mover, operator, "mover", [2, 3])
         _tell(taker, "done")
         assert _line(taker) == "released"
@@ -419,11 +424,7 @@ def test_a_move_whose_new_worker_dies_midway_is_made_again(suspending_cluster, o
     is back (on island 1, or on its own island 0 if taker went idle meanwhile and gave it back), with every array
     bitwise equal and its programs running."""
     with _ended_at_the_end() as processes:
-        mover = _moving(suspending_cluster, "unmoved", 2, processes)
-        session = _session_of(operator, "unmoved")
-        assert list(session.device_ids) == [0, 1]
-        operator.control_sessions(pb.SessionControl.SUSPEND, session_ids=[session.session_id])
-        taker = _takes(suspending_cluster, "squatter", 0, 0, processes)
+        mover, taker = _suspended_and_island_0_taken(suspending_cluster, operator, "unmoved", "squatter", processes)
         target = suspending_cluster.workers[(1, 0)].process.pid
         os.kill(target, signal.SIGSTOP)
         try:
