@@ -9,11 +9,14 @@ result comes back to the loop with ``call_on``; nothing holds a lock across the 
 ``tuning.LOOP_TICK_S``; a thread of the watchdog's own notices when no tick came for
 ``tuning.LOOP_STALL_S``, captures where the loop's thread is (its Python stack) and logs it once, and
 the late tick records the stall, how long it was, and whether the thread was running a callback
-(what the rule forbids: its stack was in one, or it spent the stall computing) or waiting in its
-selector for a CPU (a busy machine, not a bug). When the watchdog's own thread did not get to look
-(the whole process stalled: a fork, a long call that holds the GIL), the loop thread's CPU time
-over the stall tells which. Servers answer ``Diagnostics.GetLoopStats`` with the counts, which
-tests and benchmarks read.
+(what the rule forbids: its stack was in one, or it spent the stall computing) or waiting for
+events, or for a CPU to wait on (a busy machine, not a bug). A callback's frames lie deeper than
+the loop's own: the watchdog measures how deep a callback starts (its first tick is one), and a
+stack shallower than that is the loop's own code. uvloop's loop is C, so waiting there leaves no
+frame of a selector to see, only the thread's entry; asyncio's waits in ``selectors.py``. When the
+watchdog's own thread did not get to look (the whole process stalled: a fork, a long call that
+holds the GIL), the loop thread's CPU time over the stall tells which. Servers answer
+``Diagnostics.GetLoopStats`` with the counts, which tests and benchmarks read.
 """
 
 from __future__ import annotations
@@ -39,6 +42,14 @@ _LOGGER = logging.getLogger(__name__)
 _KEPT_STALLS = 8
 # Frames of the loop's thread named in a stall's ``where``.
 _WHERE_FRAMES = 6
+
+
+def _depth(frame) -> int:
+    """How many frames deep ``frame`` is on its thread's stack."""
+    depth = 0
+    while frame is not None:
+        depth, frame = depth + 1, frame.f_back
+    return depth
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -113,6 +124,7 @@ class LoopWatchdog:
         self._last_tick = self._started
         self._last_cpu = 0.0  # the loop thread's CPU time at its last tick
         self._loop_thread: int | None = None
+        self._callback_depth = 0  # the depth of the loop thread's stack in a callback (its first tick's)
         self._seen: tuple[float, str, bool] | None = None  # the stall under way: (its last tick, where, in a callback)
         self._lock = threading.Lock()  # guards the counts below (the loop writes them, any thread reads them)
         self._stalls = 0
@@ -125,7 +137,7 @@ class LoopWatchdog:
 
     def start(self) -> None:
         """Starts watching (from any thread, once the loop runs)."""
-        call_on(self._loop, self._first_tick)
+        self._loop.call_soon_threadsafe(self._first_tick)  # a callback of its own, even from the loop's thread
         self._thread.start()
 
     def stop(self) -> None:
@@ -137,6 +149,7 @@ class LoopWatchdog:
 
     def _first_tick(self) -> None:
         self._loop_thread = threading.get_ident()
+        self._callback_depth = _depth(sys._getframe())
         self._tick()
 
     def _tick(self) -> None:
@@ -178,17 +191,18 @@ class LoopWatchdog:
             last = self._last_tick
             if time.monotonic() - last < self._stall_s or (self._seen is not None and self._seen[0] == last):
                 continue
-            where, in_callback = self._where()
+            where, in_callback = self.where()
             self._seen = (last, where, in_callback)
 
-    def _where(self) -> tuple[str, bool]:
-        """The loop thread's innermost frames, and whether it is running a callback (not in its selector)."""
+    def where(self) -> tuple[str, bool]:
+        """The loop thread's innermost frames, and whether it is running a callback (not waiting for events)."""
         frame = sys._current_frames().get(self._loop_thread) if self._loop_thread is not None else None
-        if frame is None:
+        if frame is None or not self._callback_depth:
             return "(the loop's thread is not running Python)", True
         frames = traceback.extract_stack(frame)[-_WHERE_FRAMES:]
         innermost = frames[-1] if frames else None
-        waiting = innermost is not None and innermost.filename.endswith("selectors.py")
+        in_selector = innermost is not None and innermost.filename.endswith("selectors.py")
+        waiting = in_selector or _depth(frame) < self._callback_depth
         return "".join(traceback.format_list(frames)).rstrip(), not waiting
 
     # -- what tests and benchmarks read ------------------------------------------------------------

@@ -1,0 +1,58 @@
+"""The loop watchdog tells a callback that holds the loop from a loop that waits for events, on uvloop and asyncio.
+
+A server's loop runs on a thread of its own (``loop.run_forever`` as the thread's target, as
+``core.aio_server`` runs it). uvloop's loop is C: waiting for events leaves only the thread's entry on
+its stack, where asyncio's waits in ``selectors.py``. A stall while the loop waits (a busy machine gave its
+thread no CPU) is not a server's fault; a callback that blocks is, and must be named.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from pathways_nb.core import loop as server_loop
+from pathways_nb.core.loop import LoopWatchdog
+from pathways_nb.testing import wait_until
+
+BLOCKED_S = 0.6  # longer than tuning's loop_stall_s (0.25 s)
+
+
+@pytest.fixture(params=["uvloop", "asyncio"])
+def watched(request) -> Iterator[tuple[asyncio.AbstractEventLoop, LoopWatchdog]]:
+    loop = server_loop.new_event_loop() if request.param == "uvloop" else asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    watchdog = LoopWatchdog(loop, f"test-{request.param}")
+    watchdog.start()
+    asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(10)  # the first tick has run
+    yield loop, watchdog
+    watchdog.stop()
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+    loop.close()
+
+
+def test_a_loop_that_waits_for_events_is_not_in_a_callback(watched):
+    _loop, watchdog = watched
+    seen = [watchdog.where() for _ in range(20)]  # between ticks (every 50 ms) it waits
+    assert any(not in_callback for _where, in_callback in seen), seen
+
+
+def test_a_callback_that_blocks_is_seen_and_counted_with_its_frames(watched):
+    loop, watchdog = watched
+    released = threading.Event()
+
+    def blocks_the_loop() -> None:
+        released.wait(BLOCKED_S * 5)  # what the loop discipline forbids
+
+    loop.call_soon_threadsafe(blocks_the_loop)
+    where, _ = wait_until(watchdog.where, 10, "the loop in the callback", holds=lambda seen: seen[1])
+    assert "blocks_the_loop" in where, where
+    threading.Timer(BLOCKED_S, released.set).start()
+    stats = wait_until(watchdog.stats, 10, "the stall recorded", holds=lambda s: s.stalls_in_callbacks >= 1)
+    (stall,) = [s for s in stats.longest if s.in_callback]
+    assert stall.seconds >= BLOCKED_S - 0.1 and "blocks_the_loop" in stall.where, stall
