@@ -35,7 +35,6 @@ from pathways_nb.testing.wire_requests import (  # noqa: F401 - SESSION_METADATA
     STORE_METADATA_KEY,
     WireRequests,
     expect_reply,
-    identity,
     read_status_checked,
 )
 
@@ -89,11 +88,7 @@ class WireSession(WireRequests):
         super().__init__(protocol_version, serdes_version)
         self.channel = grpc.insecure_channel(address.removeprefix("grpc://"))
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
-        stream = self.channel.stream_stream(
-            SERVICE + "IfrtSession",
-            request_serializer=identity,
-            response_deserializer=self.messages.proxy.IfrtResponse.FromString,
-        )
+        stream = self.stub(self.channel, "IfrtSession")
         self._responses = stream(iter(self._requests.get, None), metadata=self.session_metadata())
         self.init_response = self.call("init_request", self.messages.proxy.InitRequest()).init_response
         self.session_id = self.init_response.session_id
@@ -118,28 +113,16 @@ class WireSession(WireRequests):
 
     def store_host_buffer(self, handle: int, data: bytes, declared_size: int | None = None) -> None:
         """Uploads ``data`` under ``handle`` (``HostBufferStore``), in 1 MiB chunks."""
-        store = self.channel.stream_unary(
-            SERVICE + "HostBufferStore",
-            request_serializer=self.messages.proxy.GrpcHostBufferStoreRequest.SerializeToString,
-            response_deserializer=self.messages.proxy.GrpcHostBufferStoreResponse.FromString,
-        )
+        store = self.stub(self.channel, "HostBufferStore")
         size = len(data) if declared_size is None else declared_size
         store(iter(self.store_chunks(data)), metadata=self.store_metadata(handle, size))
 
     def lookup_host_buffer(self, handle: int) -> bytes:
-        lookup = self.channel.unary_stream(
-            SERVICE + "HostBufferLookup",
-            request_serializer=self.messages.proxy.GrpcHostBufferLookupRequest.SerializeToString,
-            response_deserializer=self.messages.proxy.GrpcHostBufferLookupResponse.FromString,
-        )
+        lookup = self.stub(self.channel, "HostBufferLookup")
         return b"".join(chunk.data for chunk in lookup(self.lookup_request(handle)))
 
     def delete_host_buffer(self, handle: int) -> None:
-        delete = self.channel.unary_unary(
-            SERVICE + "HostBufferDelete",
-            request_serializer=self.messages.proxy.GrpcHostBufferDeleteRequest.SerializeToString,
-            response_deserializer=self.messages.proxy.GrpcHostBufferDeleteResponse.FromString,
-        )
+        delete = self.stub(self.channel, "HostBufferDelete")
         delete(self.delete_request(handle))
 
     # -- arrays and programs, as the stock client asks for them ----------------------------

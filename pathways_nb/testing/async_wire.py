@@ -14,13 +14,7 @@ import contextlib
 
 import grpc
 
-from pathways_nb.testing.wire_requests import (
-    SERVICE,
-    WireRequests,
-    expect_reply,
-    identity,
-    read_status_checked,
-)
+from pathways_nb.testing.wire_requests import WireRequests, expect_reply, read_status_checked
 
 # Channels of one process share connections unless told not to; a session here stands for a process.
 _OWN_CONNECTION = (("grpc.use_local_subchannel_pool", 1),)
@@ -32,25 +26,10 @@ class AsyncWireSession(WireRequests):
     def __init__(self, address: str, protocol_version: int = 25, serdes_version: int = 0):
         super().__init__(protocol_version, serdes_version)
         self.channel = grpc.aio.insecure_channel(address.removeprefix("grpc://"), options=_OWN_CONNECTION)
-        proxy = self.messages.proxy
-        self._stream = self.channel.stream_stream(
-            SERVICE + "IfrtSession", request_serializer=identity, response_deserializer=proxy.IfrtResponse.FromString
-        )(metadata=self.session_metadata())
-        self._store = self.channel.stream_unary(
-            SERVICE + "HostBufferStore",
-            request_serializer=proxy.GrpcHostBufferStoreRequest.SerializeToString,
-            response_deserializer=proxy.GrpcHostBufferStoreResponse.FromString,
-        )
-        self._lookup = self.channel.unary_stream(
-            SERVICE + "HostBufferLookup",
-            request_serializer=proxy.GrpcHostBufferLookupRequest.SerializeToString,
-            response_deserializer=proxy.GrpcHostBufferLookupResponse.FromString,
-        )
-        self._delete = self.channel.unary_unary(
-            SERVICE + "HostBufferDelete",
-            request_serializer=proxy.GrpcHostBufferDeleteRequest.SerializeToString,
-            response_deserializer=proxy.GrpcHostBufferDeleteResponse.FromString,
-        )
+        self._stream = self.stub(self.channel, "IfrtSession")(metadata=self.session_metadata())
+        self._store = self.stub(self.channel, "HostBufferStore")
+        self._lookup = self.stub(self.channel, "HostBufferLookup")
+        self._delete = self.stub(self.channel, "HostBufferDelete")
         self.init_response = None
 
     @classmethod

@@ -32,6 +32,25 @@ class WireRequests:
         self._serdes_version = serdes_version
         self.session_id = 0  # the proxy's, once the init request is answered
 
+    def stub(self, channel, method: str):
+        """The callable for ``method`` (``IfrtSession``, ``HostBufferStore``, ``HostBufferLookup`` or
+        ``HostBufferDelete``) on ``channel``, a blocking ``grpc.Channel`` or a ``grpc.aio.Channel`` alike."""
+        proxy = self.messages.proxy
+        arity, request, response = {
+            "IfrtSession": ("stream_stream", None, proxy.IfrtResponse),
+            "HostBufferStore": ("stream_unary", proxy.GrpcHostBufferStoreRequest, proxy.GrpcHostBufferStoreResponse),
+            "HostBufferLookup": (
+                "unary_stream",
+                proxy.GrpcHostBufferLookupRequest,
+                proxy.GrpcHostBufferLookupResponse,
+            ),
+            "HostBufferDelete": ("unary_unary", proxy.GrpcHostBufferDeleteRequest, proxy.GrpcHostBufferDeleteResponse),
+        }[method]
+        serializer = identity if request is None else request.SerializeToString  # session requests: bytes already
+        return getattr(channel, arity)(
+            SERVICE + method, request_serializer=serializer, response_deserializer=response.FromString
+        )
+
     def session_metadata(self) -> tuple[tuple[str, bytes], ...]:
         """The gRPC metadata that opens the session stream."""
         metadata = self.messages.proxy.GrpcIfrtSessionMetadata()
