@@ -1,6 +1,6 @@
 """The interactive round trip: ``float(f(x))`` of a cached tiny program, local JAX vs the proxy vs a cluster.
 
-    python benchmarks/round_trip.py [--before CHECKOUT] [--rounds N]
+    python benchmarks/round_trip.py [--before CHECKOUT] [--rounds N] [--chain]
 
 A notebook user pays this on every printed value. Each path runs in a client
 process of its own (local JAX; ``pathways-nb proxy`` with one device; a
@@ -18,6 +18,10 @@ from another checkout of pathways-nb, e.g. ``git worktree add --detach
 /tmp/rt-before main``, side by side in the same run. Columns: wall time per
 call (percentiles), and CPU time per call of the servers (proxy and worker)
 and of the client, which load on the machine changes much less.
+
+``--chain`` measures the control plane's other figure instead: chained tiny programs (``x = f(x)``, a
+burst dispatched back to back and waited for once at its end), as programs per second and the CPU
+each program costs the proxy and the cluster's worker, apart.
 """
 
 from __future__ import annotations
@@ -56,6 +60,30 @@ FLOAT_OF_F = """
             float(f(x))
             times.append(time.perf_counter() - started)
         print(" ".join(f"{t * 1e6:.1f}" for t in times), flush=True)
+"""
+
+CHAIN_OF_F = """
+    import sys, time, jax, numpy as np, pathways_nb
+    address, token = sys.argv[1:3]
+    if address == "local":
+        device = jax.devices("cpu")[0]
+    else:
+        pathways_nb.connect(address, token=token or None)
+        device = jax.devices()[0]
+    f = jax.jit(lambda a: a * 0.5 + 1)
+    x = jax.device_put(np.float32(3), device)
+    for _ in range(200):
+        x = f(x)
+    x.block_until_ready()
+    print("ready", flush=True)
+    for line in sys.stdin:
+        calls = int(line)
+        started = time.perf_counter()
+        for _ in range(calls):
+            x = f(x)
+        x.block_until_ready()
+        per_call = (time.perf_counter() - started) / calls
+        print(" ".join([f"{per_call * 1e6:.1f}"] * calls), flush=True)
 """
 
 BARE_GRPC = """
@@ -120,14 +148,16 @@ def serve_echo() -> None:
 
 
 class Client:
-    """A client process that times ``burst`` calls when asked; its servers' pids are watched for CPU."""
+    """A client process that times ``burst`` calls when asked; its servers' pids are watched for CPU.
 
-    def __init__(self, name: str, code: str, args: list[str], servers: list[int]):
+    ``servers`` maps a role (``proxy``, ``worker``) to the pids whose CPU that role's column sums."""
+
+    def __init__(self, name: str, code: str, args: list[str], servers: dict[str, list[int]]):
         self.name = name
         self.process = python_process(code, *args)
-        self.servers = [psutil.Process(pid) for pid in servers]
+        self.servers = {role: [psutil.Process(pid) for pid in pids] for role, pids in servers.items()}
         self.samples: list[float] = []
-        self.server_cpu_ms: list[float] = []  # per call, one entry per burst
+        self.server_cpu_ms: dict[str, list[float]] = {role: [] for role in servers}  # per call, one per burst
         self.client_cpu_ms: list[float] = []
 
     def wait_ready(self) -> None:
@@ -135,9 +165,12 @@ class Client:
         if line != "ready":
             raise RuntimeError(f"{self.name} did not start: {line}\n{self.process.stderr.read()[-3000:]}")
 
+    def _server_cpu(self) -> dict[str, float]:
+        return {role: sum(sum(p.cpu_times()[:2]) for p in processes) for role, processes in self.servers.items()}
+
     def burst(self, calls: int) -> None:
         client = psutil.Process(self.process.pid)
-        server_before = sum(sum(p.cpu_times()[:2]) for p in self.servers)
+        server_before = self._server_cpu()
         client_before = sum(client.cpu_times()[:2])
         self.process.stdin.write(f"{calls}\n")
         self.process.stdin.flush()
@@ -145,8 +178,8 @@ class Client:
         if not line:
             raise RuntimeError(f"{self.name} ended: {self.process.stderr.read()[-3000:]}")
         self.samples.extend(float(t) for t in line.split())
-        server = sum(sum(p.cpu_times()[:2]) for p in self.servers) - server_before
-        self.server_cpu_ms.append(server * 1000 / calls)
+        for role, seconds in self._server_cpu().items():
+            self.server_cpu_ms[role].append((seconds - server_before[role]) * 1000 / calls)
         self.client_cpu_ms.append((sum(client.cpu_times()[:2]) - client_before) * 1000 / calls)
 
     def row(self) -> tuple:
@@ -155,8 +188,11 @@ class Client:
         def at(q: float) -> float:
             return samples[min(len(samples) - 1, int(q * len(samples)))] / 1000
 
-        server = f"{statistics.mean(self.server_cpu_ms):.2f}" if self.servers else "-"
-        return self.name, at(0.1), at(0.5), at(0.9), server, f"{statistics.mean(self.client_cpu_ms):.2f}"
+        def cpu(role: str) -> str:
+            return f"{statistics.mean(self.server_cpu_ms[role]):.3f}" if role in self.servers else "-"
+
+        client_cpu = f"{statistics.mean(self.client_cpu_ms):.3f}"
+        return self.name, at(0.1), at(0.5), at(0.9), cpu("proxy"), cpu("worker"), cpu("echo"), client_cpu
 
     def close(self) -> None:
         self.process.kill()
@@ -188,6 +224,7 @@ def main() -> int:
     parser.add_argument("--before", default=None, help="a checkout whose servers run beside this one's")
     parser.add_argument("--rounds", type=int, default=20, help="bursts per path")
     parser.add_argument("--burst", type=int, default=50, help="calls per burst")
+    parser.add_argument("--chain", action="store_true", help="chained tiny programs instead of float(f(x))")
     parser.add_argument("--serve-echo", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_echo:
@@ -199,9 +236,10 @@ def main() -> int:
     clients: list[Client] = []
     try:
         echo_address = f"127.0.0.1:{int(echo.stdout.readline())}"
-        clients.append(Client("local JAX", FLOAT_OF_F, ["local", ""], []))
-        for kind in ("bidi message", "server-streaming", "unary"):
-            clients.append(Client(f"bare gRPC: {kind}", BARE_GRPC, [echo_address, kind], [echo.pid]))
+        workload = CHAIN_OF_F if args.chain else FLOAT_OF_F
+        clients.append(Client("local JAX", workload, ["local", ""], {}))
+        for kind in ("bidi message", "server-streaming", "unary") if not args.chain else ():
+            clients.append(Client(f"bare gRPC: {kind}", BARE_GRPC, [echo_address, kind], {"echo": [echo.pid]}))
         versions = [("before", args.before), ("after", None)] if args.before else [("", None)]
         for label, checkout in versions:
             suffix = f" ({label})" if label else ""
@@ -211,9 +249,12 @@ def main() -> int:
                 proxy.start()
                 cluster = LocalCluster(islands=1, devices_per_host=1)
                 started.append(cluster)
-            clients.append(Client(f"proxy{suffix}", FLOAT_OF_F, [proxy.address, ""], [proxy.process.pid]))
-            cluster_pids = [cluster.proxy.process.pid, *(w.process.pid for w in cluster.workers.values())]
-            clients.append(Client(f"cluster{suffix}", FLOAT_OF_F, [cluster.address, cluster.token], cluster_pids))
+            clients.append(Client(f"proxy{suffix}", workload, [proxy.address, ""], {"proxy": [proxy.process.pid]}))
+            cluster_pids = {
+                "proxy": [cluster.proxy.process.pid],
+                "worker": [w.process.pid for w in cluster.workers.values()],
+            }
+            clients.append(Client(f"cluster{suffix}", workload, [cluster.address, cluster.token], cluster_pids))
         for client in clients:
             client.wait_ready()
         for _ in range(args.rounds):
@@ -226,11 +267,14 @@ def main() -> int:
             server.close()
         echo.kill()
         echo.wait()
-    print(f"float(f(x)) of a cached tiny jit, {args.rounds} x {args.burst} calls per path, interleaved\n")
-    print(f"{'path':<28} {'p10 ms':>7} {'p50 ms':>7} {'p90 ms':>7} {'server CPU ms':>14} {'client CPU ms':>14}")
-    for name, p10, p50, p90, server_cpu, client_cpu in (client.row() for client in clients):
-        print(f"{name:<28} {p10:>7.3f} {p50:>7.3f} {p90:>7.3f} {server_cpu:>14} {client_cpu:>14}")
-    print("\n(CPU ms per call over all bursts; cluster: proxy and worker together; bare gRPC: the echo server)")
+    what = "chained x = f(x), a burst waited for once" if args.chain else "float(f(x)) of a cached tiny jit"
+    print(f"{what}, {args.rounds} x {args.burst} calls per path, interleaved\n")
+    header = ("path", "p10 ms", "p50 ms", "p90 ms", "proxy CPU ms", "worker CPU ms", "echo CPU ms", "client CPU ms")
+    print(f"{header[0]:<28} " + " ".join(f"{h:>13}" for h in header[1:]))
+    for name, p10, p50, p90, *cpus in (client.row() for client in clients):
+        print(f"{name:<28} {p10:>13.3f} {p50:>13.3f} {p90:>13.3f} " + " ".join(f"{c:>13}" for c in cpus))
+    per = "program (the burst's mean)" if args.chain else "call"
+    print(f"\n(wall and CPU ms per {per}; a single-process proxy's CPU is under proxy)")
     return 0
 
 
