@@ -320,7 +320,6 @@ def connect(
     ``address`` file; the token beside that file is then the default ``token``.
     """
     import jax
-    from jax.extend import backend
 
     address, found_token = resolve_address(address or os.environ.get(ADDRESS_ENV, ""))
     current = _state.get("connection")
@@ -341,21 +340,23 @@ def connect(
 
     token = token or found_token or live.token_for(address) or token_from_env()
     _check_listening(address, timeout_s)
-    previous = _Previous(jax.config.jax_platforms, jax.config.read("jax_backend_target"))
-    os.environ[jax_plugin.INSECURE_ENV] = "true"
-    # The client waits a little longer than the server, so that the server's reason arrives.
-    os.environ[jax_plugin.TIMEOUT_ENV] = str(timeout_s + 5)
-    jax_plugin.session_options = options
-    backend.clear_backends()
-    jax.config.update("jax_platforms", f"{jax_plugin.PLATFORM},cpu")
-    jax.config.update("jax_backend_target", address)
-    jax_plugin.register()
+    previous = _point_jax_at(address, options)
     try:
         devices = _showing_the_wait(lambda: jax.devices(jax_plugin.PLATFORM), address, options.tenant, token, progress)
     except Exception as e:  # noqa: BLE001 - JAX wraps connection errors in RuntimeError
         _restore(previous)
         raise ConnectionFailed(address, timeout_s, _reason(e)) from None
     jax.clear_caches()
+    session = _session_on(address, devices, options, token)
+    _state["connection"] = session
+    _state["previous"] = previous
+    return session
+
+
+def _session_on(address: str, devices: list, options: SessionOptions, token: str | None) -> Session:
+    """The ``Session`` of a client whose JAX now lists ``devices``, following its output."""
+    from jax.extend import backend
+
     proxy = backend.get_backend(jax_plugin.PLATFORM)
     session = Session(
         address, devices, proxy.platform, proxy.runtime_type, options.tenant, token=token, secret=options.secret
@@ -365,9 +366,24 @@ def connect(
     except PathwaysError as error:  # a server without the observe API (Pathways on Cloud)
         session._note = str(error)
     session.output = remote_output.follow(session)
-    _state["connection"] = session
-    _state["previous"] = previous
     return session
+
+
+def _point_jax_at(address: str, options: SessionOptions) -> _Previous:
+    """Points JAX's backends at the proxy at ``address``; returns what to restore if the session fails."""
+    import jax
+    from jax.extend import backend
+
+    previous = _Previous(jax.config.jax_platforms, jax.config.read("jax_backend_target"))
+    os.environ[jax_plugin.INSECURE_ENV] = "true"
+    # The client waits a little longer than the server, so that the server's reason arrives.
+    os.environ[jax_plugin.TIMEOUT_ENV] = str(options.timeout_s + 5)
+    jax_plugin.session_options = options
+    backend.clear_backends()
+    jax.config.update("jax_platforms", f"{jax_plugin.PLATFORM},cpu")
+    jax.config.update("jax_backend_target", address)
+    jax_plugin.register()
+    return previous
 
 
 def _check_listening(address: str, timeout_s: float) -> None:

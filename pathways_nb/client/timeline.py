@@ -287,30 +287,8 @@ class Timeline:
                 f'<line class="pw-step" x1="{x(start):.1f}" y1="{top - 4}" x2="{x(start):.1f}" y2="{rows_bottom + 4}" '
                 'stroke="#888" stroke-dasharray="3,3"/>'
             )
-        for e in drawn:
-            for device in e.device_ids:
-                if device not in rows:
-                    continue
-                y = top + rows[device] * row_height + 3
-                bar_height = row_height - 6
-                if e.kind == "op":  # an op in the lower half of its program's bar, so both show
-                    bar_height //= 2
-                    y += row_height - 6 - bar_height
-                w = max(1.0, x(e.end) - x(e.start))
-                title = f"{e.kind}: {e.name} ({_duration(e.end - e.start)})" + (" FAILED" if e.failed else "")
-                outline = ' stroke="red"' if e.failed else ""
-                parts.append(
-                    f'<rect class="pw-bar pw-{e.kind}" data-device="{device}" x="{x(e.start):.1f}" y="{y}" '
-                    f'width="{w:.1f}" height="{bar_height}" fill="{COLORS.get(e.kind, "#999")}"{outline}>'
-                    f"<title>{html.escape(title)}</title></rect>"
-                )
-        legend_x = label_width
-        for kind, fill in [*COLORS.items(), ("suspended", "url(#pw-suspended)")]:
-            parts.append(
-                f'<rect x="{legend_x}" y="6" width="10" height="10" fill="{fill}"/>'
-                f'<text x="{legend_x + 14}" y="15">{kind}</text>'
-            )
-            legend_x += 24 + 6 * len(kind)  # (about 6 px a letter)
+        parts += _bars(drawn, rows, top, row_height, x)
+        parts += _legend(label_width)
         broken = sum(end - start for start, end in axis.breaks)
         narrow = f" ({_duration(broken)} of it drawn narrow, in grey)" if axis.breaks else ""
         parts.append(
@@ -480,3 +458,39 @@ def _bursts(scaled: Sequence[pb.Event]) -> list[list[float]]:
         else:
             bursts.append([e.start, e.end])
     return bursts
+
+
+def _bars(drawn: list, rows: dict[int, int], top: int, row_height: int, x) -> list[str]:
+    """A bar per event and device; an op sits in the lower half of its program's bar, so both show."""
+    parts = []
+    for e in drawn:
+        for device in e.device_ids:
+            if device not in rows:
+                continue
+            y = top + rows[device] * row_height + 3
+            bar_height = row_height - 6
+            if e.kind == "op":
+                bar_height //= 2
+                y += row_height - 6 - bar_height
+            w = max(1.0, x(e.end) - x(e.start))
+            title = f"{e.kind}: {e.name} ({_duration(e.end - e.start)})" + (" FAILED" if e.failed else "")
+            outline = ' stroke="red"' if e.failed else ""
+            parts.append(
+                f'<rect class="pw-bar pw-{e.kind}" data-device="{device}" x="{x(e.start):.1f}" y="{y}" '
+                f'width="{w:.1f}" height="{bar_height}" fill="{COLORS.get(e.kind, "#999")}"{outline}>'
+                f"<title>{html.escape(title)}</title></rect>"
+            )
+    return parts
+
+
+def _legend(label_width: int) -> list[str]:
+    """The colour of each kind of event, in a row above the devices."""
+    parts = []
+    legend_x = label_width
+    for kind, fill in [*COLORS.items(), ("suspended", "url(#pw-suspended)")]:
+        parts.append(
+            f'<rect x="{legend_x}" y="6" width="10" height="10" fill="{fill}"/>'
+            f'<text x="{legend_x + 14}" y="15">{kind}</text>'
+        )
+        legend_x += 24 + 6 * len(kind)  # (about 6 px a letter)
+    return parts
