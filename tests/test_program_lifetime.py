@@ -17,6 +17,7 @@ from pathways_nb.launch.local_cluster import LocalCluster
 from pathways_nb.protocol.errors import RequestError
 from pathways_nb.proxy.cluster_runtime import ClusterRuntime
 from pathways_nb.proxy.context import ProxyLimits
+from pathways_nb.proxy.rm_client import run_on_loop
 from pathways_nb.proxy.server import ProxyServer
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.testing import python_script, wait_until
@@ -43,7 +44,7 @@ def served():
 
 def _held(runtime: ClusterRuntime, first_id: int) -> set[int]:
     """The ids, of all this proxy gave out since ``first_id``, that the worker still holds."""
-    device = next(d for d in runtime.cluster_state().devices)
+    device = next(d for d in run_on_loop(runtime.loop, runtime.cluster_state).wait(30).devices)
     last_id = next(runtime._program_ids)
     held = set()
     for program_id in range(first_id, last_id):

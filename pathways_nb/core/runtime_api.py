@@ -228,13 +228,17 @@ class Runtime(Protocol):
         """
         ...
 
-    def cluster_state(self) -> Any:
-        """The devices, workers, allocations and queue (a ``pathways_nb.v1.ClusterState``); may block (call it
-        off the loop)."""
+    async def cluster_state(self) -> Any:
+        """The devices, workers, allocations and queue (a ``pathways_nb.v1.ClusterState``), awaited on the
+        proxy's loop."""
         ...
 
     def serve_on(self, loop: asyncio.AbstractEventLoop) -> None:
         """The proxy's event loop, before any session opens: streams of the runtime's own may live there."""
+        ...
+
+    async def stop_serving(self) -> None:
+        """The proxy stops (on its loop, before ``close``): what the runtime runs there ends."""
         ...
 
     @property

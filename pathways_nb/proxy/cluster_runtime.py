@@ -36,14 +36,14 @@ from pathways_nb.core.runtime_api import (
 from pathways_nb.core.security import ClusterCredentials
 from pathways_nb.core.session_options import SECRET, SessionOptions
 from pathways_nb.core.storage import StorageRoot, default_root
-from pathways_nb.protocol.errors import InvalidRequest, RequestError, Unavailable, from_rpc_error
+from pathways_nb.protocol.errors import Code, InvalidRequest, RequestError
 from pathways_nb.protocol.layouts import LayoutBook
 from pathways_nb.proxy.cluster_session import ClusterSession
 from pathways_nb.proxy.connection_output import HostLineSink
-from pathways_nb.proxy.lease import Lease, Leases
+from pathways_nb.proxy.lease import Lease, grant
+from pathways_nb.proxy.rm_client import CLOSE_WAIT_S, RmClient, allocate_request, run_on_loop
 from pathways_nb.proxy.worker_link import WorkerLink, WorkerLost
 from pathways_nb.rpc import cluster_pb2 as pb
-from pathways_nb.rpc import cluster_pb2_grpc
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -88,8 +88,8 @@ class ClusterRuntime:
         self.allocation_timeout_s = allocation_timeout_s
         self.key = f"proxy-{uuid.uuid4().hex[:8]}"
         self.credentials = credentials or ClusterCredentials()
-        self._channel = self.credentials.channel(rm_address)
-        self._rm = cluster_pb2_grpc.ResourceManagerStub(self._channel)
+        # The proxy's one client of the resource manager (its channel lives on the loop).
+        self.rm = RmClient(rm_address, self.credentials)
         self._lock = threading.Lock()
         # Program ids name programs on workers, which every proxy of the cluster shares: each proxy
         # counts from its own random start, far from any other's (ids of two proxies never meet).
@@ -112,7 +112,6 @@ class ClusterRuntime:
         # Why the watch stopped for good (a permanent error, e.g. a refused token), if it did.
         self.watch_failure: RequestError | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._leases: Leases | None = None
         self._watch_task: asyncio.Task | None = None
         self._owns_loop = False  # (used without a proxy server: the loop thread is its own, stopped by close)
         self._closed = False
@@ -132,17 +131,15 @@ class ClusterRuntime:
         a stream that fails is opened again after a backoff, and a failure no retry gets past
         (``retry.is_permanent``: a refused token) stops the watch with an error in the log.
         """
-        stub = cluster_pb2_grpc.ResourceManagerStub(self.credentials.aio_channel(self.rm_address))
         retry = Retry(f"following the resource manager at {self.rm_address}")
         request = pb.ClusterStateRequest(deltas=True)  # after the first state, only the workers that changed
-        while not self._closed:
+        while not self._closed and not self.rm.closed:
             try:
-                call = stub.WatchCluster(request, metadata=self.credentials.call_metadata(), wait_for_ready=True)
-                async for state in call:
+                async for state in self.rm.watch(request):
                     self._update(state)
                     retry.succeeded()
             except grpc.aio.AioRpcError as error:
-                if self._closed:
+                if self._closed or self.rm.closed:
                     return
                 try:
                     wait_s = retry.failed(error)
@@ -216,15 +213,10 @@ class ClusterRuntime:
             return forming
 
     async def _form(self, name: str, islands: list[int], forming: Pending) -> None:
-        stub = cluster_pb2_grpc.ResourceManagerStub(self.credentials.aio_channel(self.rm_address))
-        request = pb.FormGroupRequest(islands=islands)
         try:
-            state = await stub.FormGroup(
-                request, metadata=self.credentials.call_metadata(), timeout=tuning.GROUP_FORM_TIMEOUT_S.value + 30
-            )
-        except grpc.aio.AioRpcError as error:
-            failure = from_rpc_error(error)
-            if error.code() == grpc.StatusCode.UNAVAILABLE:  # a host is down: the work fails as on its island
+            state = await self.rm.form_group(islands, tuning.GROUP_FORM_TIMEOUT_S.value)
+        except RequestError as failure:
+            if failure.code == Code.UNAVAILABLE:  # a host is down: the work fails as on its island
                 failure = WorkerLost(f"{failure.message}. Programs over one island keep running on the others")
             with self._lock:
                 self._forming.pop(name, None)
@@ -274,11 +266,9 @@ class ClusterRuntime:
             f"work on island {device.island} fails until its worker is back. Other islands keep serving"
         )
 
-    def cluster_state(self) -> pb.ClusterState:
-        try:
-            return self._rm.GetClusterState(pb.ClusterStateRequest(), timeout=10)
-        except grpc.RpcError as error:
-            raise _rm_error(error, self.rm_address) from None
+    async def cluster_state(self) -> pb.ClusterState:
+        """The resource manager's view of the cluster (on the loop)."""
+        return await self.rm.cluster_state()
 
     # -- the loop the worker streams live on ---------------------------------------------------
 
@@ -300,6 +290,12 @@ class ClusterRuntime:
         self._start_watching(loop)
         return loop
 
+    async def stop_serving(self) -> None:
+        """The proxy stops (on its loop): the watch ends and the client of the resource manager closes."""
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+        await self.rm.close()
+
     def _start_watching(self, loop: asyncio.AbstractEventLoop) -> None:
         def start() -> None:
             if self._watch_task is None:
@@ -314,14 +310,7 @@ class ClusterRuntime:
     ) -> ClusterSession:
         """Allocates devices for a session (on the loop), waiting in the queue if the cluster is busy."""
         options = _session_options(attributes, self.allocation_timeout_s, f"{self.key}-s{session_id}")
-        request = pb.AllocateRequest(
-            tenant=options.tenant,
-            exclusive=options.exclusive,
-            num_devices=options.num_devices,
-            islands=options.islands,
-            timeout_s=options.timeout_s,
-            priority=options.priority,
-        )
+        request = allocate_request(options, options.num_devices, options.timeout_s)
         lease = await self.allocate(session_id, request)
         session = ClusterSession(self, session_id, lease, events, options, output)
         self._sessions.add(session)
@@ -337,23 +326,7 @@ class ClusterRuntime:
             if on_waiting is not None:
                 on_waiting(update)
 
-        try:
-            return await self.leases.grant(request, waiting)
-        except grpc.aio.AioRpcError as error:
-            raise _rm_error(error, self.rm_address) from None
-        except EOFError:
-            raise Unavailable(
-                f"the resource manager at {self.rm_address} ended the allocation before granting it"
-            ) from None
-
-    @property
-    def leases(self) -> Leases:
-        """Allocations, held on the streams' loop."""
-        loop = self.loop
-        with self._lock:
-            if self._leases is None:
-                self._leases = Leases(self.rm_address, loop, self.credentials)
-            return self._leases
+        return await grant(self.rm, request, waiting)
 
     # -- programs --------------------------------------------------------------------------
 
@@ -568,21 +541,12 @@ class ClusterRuntime:
 
     async def drain(self, request: pb.DrainRequest) -> pb.WorkerState:
         """Has the resource manager drain a host (or put it back in service); its state (on the loop)."""
-        channel = self.credentials.aio_channel(self.rm_address)
-        try:
-            stub = cluster_pb2_grpc.ResourceManagerStub(channel)
-            return await stub.Drain(request, metadata=self.credentials.call_metadata(), timeout=30)
-        except grpc.aio.AioRpcError as error:
-            raise _rm_error(error, self.rm_address) from None
-        finally:
-            await channel.close()
+        return await self.rm.drain(request)
 
     def profile_resource_manager(self, control: pb.ProfileControl) -> bytes:
-        """Starts or stops a trace of the resource manager's process; the stop returns it (blocks)."""
-        try:
-            return self._rm.Profile(control, timeout=120).xspace
-        except grpc.RpcError as error:
-            raise _rm_error(error, self.rm_address) from None
+        """Starts or stops a trace of the resource manager's process; the stop returns it (blocks: for a pool
+        thread, which waits for the loop's call)."""
+        return run_on_loop(self.loop, lambda: self.rm.profile(control)).wait()
 
     def query(self, worker: pb.Device, command: pb.Command, field: str) -> pb.Reply:
         link = self.control_link(worker)
@@ -611,9 +575,12 @@ class ClusterRuntime:
             session.release()
         for link in self._control.values():
             link.close()
-        self._channel.close()
-        if self._owns_loop:  # after the links' last callbacks on it
-            self.loop.call_soon_threadsafe(self.loop.stop)
+        if self._owns_loop:  # (a proxy server's loop closed the client as it stopped: ``stop_serving``)
+            try:
+                run_on_loop(self.loop, self.rm.close).wait(CLOSE_WAIT_S)
+            except TimeoutError:
+                _LOGGER.warning("the channel to the resource manager did not close in time")
+            self.loop.call_soon_threadsafe(self.loop.stop)  # after the links' last callbacks on it
 
 
 def _once(function: Callable[[], None]) -> Callable[[], None]:
@@ -634,9 +601,3 @@ def _session_options(attributes: dict[str, Any], default_timeout_s: float, defau
     except ValueError as e:
         shown = {k: v for k, v in attributes.items() if k != SECRET}
         raise InvalidRequest(f"malformed session options {shown}: {e}") from e
-
-
-def _rm_error(error: grpc.RpcError, address: str) -> RequestError:
-    if error.code() == grpc.StatusCode.UNAVAILABLE:
-        return Unavailable(f"the resource manager at {address} is unreachable: {error.details()}")
-    return from_rpc_error(error)

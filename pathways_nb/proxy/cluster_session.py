@@ -55,6 +55,7 @@ from pathways_nb.proxy.remote_arrays import (
     ShardedRemoteArray,
     explain_failure,
 )
+from pathways_nb.proxy.rm_client import allocate_request
 from pathways_nb.proxy.worker_link import WorkerLink, WorkerLost
 from pathways_nb.rpc import cluster_pb2 as pb
 
@@ -825,14 +826,12 @@ class ClusterSession:
     def allocation_request(self) -> pb.AllocateRequest:
         """What the session asks for to resume, at its priority, for as long as it waits: the devices it had (its
         arrays are there), or others of the same shape where those are taken or drained (not for a session that has
-        run across islands: its arrays on the group's members stay there)."""
-        options = self.options
-        return pb.AllocateRequest(
-            tenant=options.tenant,
-            exclusive=options.exclusive,
-            num_devices=len(self._device_ids),
-            priority=options.priority,
-            islands=options.islands,
+        run across islands: its arrays on the group's members stay there). Its client waits for nothing (it is never
+        told): the request waits in the queue as long as it takes (timeout 0), keeping its place there."""
+        return allocate_request(
+            self.options,
+            len(self._device_ids),
+            timeout_s=0,
             want_device_ids=self.physical_device_ids,
             want_same_shape=not self.uses_groups,
         )

@@ -23,50 +23,38 @@ import grpc
 
 from pathways_nb.core.loop import call_on
 from pathways_nb.core.retry import Retry
-from pathways_nb.core.security import ClusterCredentials
-from pathways_nb.protocol.errors import RequestError
+from pathways_nb.protocol.errors import RequestError, Unavailable
+from pathways_nb.proxy.rm_client import RmClient
 from pathways_nb.rpc import cluster_pb2 as pb
-from pathways_nb.rpc import cluster_pb2_grpc
 
 _LOGGER = logging.getLogger(__name__)
 
 
-class Leases:
-    """Allocations from the resource manager at ``rm_address``, held on ``loop``."""
-
-    def __init__(self, rm_address: str, loop: asyncio.AbstractEventLoop, credentials: ClusterCredentials):
-        self.rm_address = rm_address
-        self.loop = loop
-        self._credentials = credentials
-        self._metadata = credentials.call_metadata()
-        self._stub: cluster_pb2_grpc.ResourceManagerStub | None = None  # made on the loop
-
-    def allocate(self, request: pb.AllocateRequest, wait_for_ready: bool = False):
-        """An ``Allocate`` call (on the loop)."""
-        if self._stub is None:
-            self._stub = cluster_pb2_grpc.ResourceManagerStub(self._credentials.aio_channel(self.rm_address))
-        return self._stub.Allocate(request, metadata=self._metadata, wait_for_ready=wait_for_ready)
-
-    async def grant(self, request: pb.AllocateRequest, on_waiting) -> Lease:
-        """The granted ``Lease``, awaited on the loop (``on_waiting(Waiting)`` while queued); raises the
-        call's ``grpc.aio.AioRpcError``, or ``EOFError`` if the call ended before a grant."""
-        call = self.allocate(request)
-        try:
-            async for update in call:
-                if update.HasField("granted"):
-                    return Lease(self, call, request, update.granted)
-                on_waiting(update.waiting)
-        except BaseException:
-            call.cancel()
-            raise
-        raise EOFError("the resource manager ended the allocation before granting it")
+async def grant(rm: RmClient, request: pb.AllocateRequest, on_waiting: Callable[[pb.Waiting], None]) -> Lease:
+    """The granted ``Lease``, awaited on the loop (``on_waiting(Waiting)`` while queued); the resource manager's
+    refusal, or an end before the grant, as a ``RequestError``."""
+    call = rm.allocate(request)
+    try:
+        async for update in call:
+            if update.HasField("granted"):
+                return Lease(rm, asyncio.get_running_loop(), call, request, update.granted)
+            on_waiting(update.waiting)
+    except grpc.aio.AioRpcError as error:
+        raise rm.error(error) from None
+    except BaseException:
+        call.cancel()
+        raise
+    raise Unavailable(f"the resource manager at {rm.address} ended the allocation before granting it")
 
 
 class Lease:
     """One granted allocation; ``hold`` keeps it until ``release``."""
 
-    def __init__(self, leases: Leases, call, request: pb.AllocateRequest, granted: pb.Allocation):
-        self._leases = leases
+    def __init__(
+        self, rm: RmClient, loop: asyncio.AbstractEventLoop, call, request: pb.AllocateRequest, granted: pb.Allocation
+    ):
+        self._rm = rm
+        self._loop = loop  # the proxy's: the call, its reclaims and ``_released`` are the loop's
         self._call = call
         self._request = request
         self.granted = granted
@@ -76,7 +64,7 @@ class Lease:
 
     def hold(self, session_id: int) -> None:
         """Keeps the allocation for the session's life, claiming it again from a restarted resource manager."""
-        loop = self._leases.loop
+        loop = self._loop
         call_on(loop, lambda: loop.create_task(self._hold(session_id)))
 
     async def _hold(self, session_id: int) -> None:
@@ -110,18 +98,19 @@ class Lease:
                     "session %d: lost the resource manager at %s (%s); its devices stay in use, and the "
                     "allocation is claimed again when it is back",
                     session_id,
-                    self._leases.rm_address,
+                    self._rm.address,
                     error.code().name,
                 )
                 await asyncio.sleep(wait_s)
-            if not self._released:
-                # Waits (without polling) until the resource manager answers again.
-                self._call = self._leases.allocate(reclaim, wait_for_ready=True)
+            if self._released or self._rm.closed:
+                return
+            # Waits (without polling) until the resource manager answers again.
+            self._call = self._rm.allocate(reclaim, wait_for_ready=True)
 
     def release(self) -> None:
-        """Ends the allocation (from any thread); idempotent."""
-        self._released = True
-        self._leases.loop.call_soon_threadsafe(self._cancel)
+        """Ends the allocation (from any thread: the loop ends it); idempotent."""
+        call_on(self._loop, self._end)
 
-    def _cancel(self) -> None:
-        self._call.cancel()  # on the loop: the call ``_hold`` holds now (it makes no other once released)
+    def _end(self) -> None:
+        self._released = True
+        self._call.cancel()  # the call ``_hold`` holds now (it makes no other once released)

@@ -7,6 +7,7 @@ session sees every device and has its own event sink.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import os
@@ -41,12 +42,18 @@ class LocalProxyRuntime:
     def serve_on(self, loop) -> None:
         """Nothing runs on the proxy's loop: the devices are this process's own."""
 
+    async def stop_serving(self) -> None:
+        """Nothing of the runtime's runs on the proxy's loop."""
+
     def close(self) -> None:
         """Stops following executions (the devices themselves go with the process)."""
         self.runtime.close()
 
-    def cluster_state(self) -> pb.ClusterState:
-        """This process as a one-island cluster whose sessions all share every device."""
+    async def cluster_state(self) -> pb.ClusterState:
+        """This process as a one-island cluster whose sessions all share every device (asked of XLA off the loop)."""
+        return await asyncio.to_thread(self._cluster_state)
+
+    def _cluster_state(self) -> pb.ClusterState:
         runtime = self.runtime
         address = f"{socket.gethostname()} (this process)"
         worker = pb.WorkerState(

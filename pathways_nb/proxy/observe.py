@@ -118,7 +118,7 @@ class ObserveService(cluster_pb2_grpc.ObserveServicer):
 
     async def GetClusterState(self, request, context):
         try:
-            state = await asyncio.to_thread(self.context.runtime.cluster_state)
+            state = await self.context.runtime.cluster_state()
         except RequestError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, e.message)
         state.proxy_version = __version__

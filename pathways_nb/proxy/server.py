@@ -73,6 +73,7 @@ class ProxyServer:
 
     async def _close_sessions(self) -> None:
         self.service.close(self._why_stopping)
+        await self.context.runtime.stop_serving()
 
     @property
     def address(self) -> str:
