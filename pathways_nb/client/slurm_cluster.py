@@ -14,11 +14,11 @@ import logging
 import os
 import shutil
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from pathways_nb.core.security import TlsFiles
+from pathways_nb.core.wait import wait_until
 from pathways_nb.deploy.slurm import OUTPUT_FILE, SCRIPT_FILE, SlurmDeployment, write
 from pathways_nb.errors import SlurmError
 from pathways_nb.launch import connection_files, live, slurm
@@ -116,33 +116,39 @@ class SlurmCluster:
 
     def _wait_until_serving(self, timeout_s: float | None) -> tuple[str, str | None]:
         """Polls the job until its cluster has written its address, showing where it is meanwhile."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         address_file = self.directory / connection_files.ADDRESS_FILE
         bar = None
         if self.progress:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=None, desc=f"Slurm job {self.job_id}: submitted", bar_format="{desc} ({elapsed})")
+
+        def job_serving() -> slurm.Job:
+            job = slurm.Job.query(self.job_id)
+            if job.state not in _ALIVE:
+                raise SlurmError(
+                    f"Slurm job {self.job_id} is {job.describe()} and serves no cluster",
+                    f"the end of its output ({self.output_path}):\n{self.logs()[-3000:]}",
+                )
+            if bar is not None:
+                doing = ", the cluster is starting" if job.state == "RUNNING" else ""
+                bar.set_description_str(f"Slurm job {self.job_id}: {job.describe()}{doing}")
+                bar.refresh()
+            return job
+
         try:
-            while True:
-                job = slurm.Job.query(self.job_id)
-                if job.state == "RUNNING" and address_file.exists():
-                    return connection_files.read(address_file)
-                if job.state not in _ALIVE:
-                    raise SlurmError(
-                        f"Slurm job {self.job_id} is {job.describe()} and serves no cluster",
-                        f"the end of its output ({self.output_path}):\n{self.logs()[-3000:]}",
-                    )
-                if bar is not None:
-                    doing = ", the cluster is starting" if job.state == "RUNNING" else ""
-                    bar.set_description_str(f"Slurm job {self.job_id}: {job.describe()}{doing}")
-                    bar.refresh()
-                if deadline is not None and time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"Slurm job {self.job_id} did not serve within {timeout_s:g} s (it is {job.describe()}); "
-                        "it is cancelled: try a longer timeout_s, or another partition"
-                    )
-                time.sleep(POLL_S)
+            wait_until(
+                job_serving,
+                timeout_s,
+                f"Slurm job {self.job_id} serving",
+                holds=lambda job: job.state == "RUNNING" and address_file.exists(),
+                interval_s=POLL_S,
+                timeout_error=lambda job: TimeoutError(
+                    f"Slurm job {self.job_id} did not serve within {timeout_s:g} s (it is {job.describe()}); "
+                    "it is cancelled: try a longer timeout_s, or another partition"
+                ),
+            )
+            return connection_files.read(address_file)
         finally:
             if bar is not None:
                 bar.close()
@@ -179,17 +185,22 @@ class SlurmCluster:
                 shutil.rmtree(self.directory, ignore_errors=True)
 
     def _wait_for_end(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
+        def job_state() -> slurm.Job | None:
             try:
-                job = slurm.Job.query(self.job_id)
+                return slurm.Job.query(self.job_id)
             except SlurmError:
-                return  # Slurm has forgotten it already
-            if job.state not in _ALIVE and job.state != "COMPLETING":
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"Slurm job {self.job_id} is still {job.describe()} {timeout_s:g} s after scancel")
-            time.sleep(0.2)
+                return None  # Slurm has forgotten it already
+
+        wait_until(
+            job_state,
+            timeout_s,
+            f"Slurm job {self.job_id} ended",
+            holds=lambda job: job is None or (job.state not in _ALIVE and job.state != "COMPLETING"),
+            interval_s=0.2,
+            timeout_error=lambda job: TimeoutError(
+                f"Slurm job {self.job_id} is still {job.describe()} {timeout_s:g} s after scancel"
+            ),
+        )
 
     def __enter__(self) -> SlurmCluster:
         return self.start()

@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TextIO
 
 from pathways_nb.core.storage import user_directory
+from pathways_nb.core.wait import wait_until
 
 # How often a followed log is read again for new lines.
 FOLLOW_INTERVAL_S = 0.25
@@ -133,13 +133,17 @@ def show(
     for name, path in logs.items():
         _write_new(out, name, width, path, positions, tail)
     out.flush()
-    while follow:
-        time.sleep(FOLLOW_INTERVAL_S)
-        if not any([_write_new(out, name, width, path, positions) for name, path in logs.items()]):
-            if not entry.alive():
-                out.write(f"(the cluster at {entry.address} stopped)\n")
-                follow = False
+    if not follow:
+        return
+
+    def copied_all_and_stopped() -> bool:
+        wrote = any([_write_new(out, name, width, path, positions) for name, path in logs.items()])
         out.flush()
+        return not wrote and not entry.alive()
+
+    wait_until(copied_all_and_stopped, None, "the cluster's end", interval_s=FOLLOW_INTERVAL_S)
+    out.write(f"(the cluster at {entry.address} stopped)\n")
+    out.flush()
 
 
 def _write_new(

@@ -32,6 +32,7 @@ import grpc
 from pathways_nb.core import tuning
 from pathways_nb.core.keepalive import Liveness
 from pathways_nb.core.security import ClusterCredentials, TlsFiles, generate_token
+from pathways_nb.core.wait import wait_until
 from pathways_nb.launch import cluster_logs, live
 from pathways_nb.launch.processes import THIS_MACHINE, ChildServer, Node, Status
 from pathways_nb.launch.supervisor import ChildExit, Supervisor
@@ -40,6 +41,10 @@ from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
 
 _LOGGER = logging.getLogger(__name__)
+
+# Called with each cluster as it starts serving (``status`` running) and again as it begins to stop (closing),
+# on the thread that starts or closes it: the test suite's stall guard (``testing.stall_guard``) reads its loops.
+watchers: list[Callable[[LocalCluster], None]] = []
 
 
 @dataclass(frozen=True)
@@ -235,7 +240,12 @@ class LocalCluster:
             raise
         self.startup_s = time.monotonic() - started
         self.status = Status.running
+        self._tell_watchers()
         return self
+
+    def _tell_watchers(self) -> None:
+        for watcher in watchers:
+            watcher(self)
 
     def node(self, island: int, host: int) -> Node:
         """The machine the worker of ``island`` / ``host`` runs on."""
@@ -331,21 +341,24 @@ class LocalCluster:
         return ["--hosts_per_island", str(hosts), "--coordinator_address", self._coordinators[island]]
 
     def _wait_for_workers(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            state = self.state()
-            if sum(w.healthy for w in state.workers) == len(self.workers):
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"only {len(state.workers)} of {len(self.workers)} workers registered")
-            time.sleep(0.05)
+        wait_until(
+            self.state,
+            timeout_s,
+            "every worker registered",
+            holds=lambda state: sum(w.healthy for w in state.workers) == len(self.workers),
+            timeout_error=lambda state: TimeoutError(
+                f"only {len(state.workers)} of {len(self.workers)} workers registered"
+            ),
+        )
 
     def close(self) -> None:
         """Stops the proxy, the workers and the resource manager; idempotent."""
         if self.status is Status.closed:
             return
-        failed_to_start = self.status is Status.failed
+        failed_to_start, serving = self.status is Status.failed, self.status is Status.running
         self.status = Status.closing
+        if serving:
+            self._tell_watchers()
         # What the processes log while they stop (streams they abort, say) is not what went wrong in the run.
         if self.ended is None:
             self._logged_before_stop = {child.name: child.log_size() for child in self.processes()}
@@ -458,16 +471,17 @@ class LocalCluster:
 
     def wait_for_worker(self, island: int, host: int = 0, timeout_s: float = 60.0, not_pid: int = 0) -> None:
         """Waits until the worker of ``island``/``host`` is registered and healthy (and not process ``not_pid``)."""
-        deadline = time.monotonic() + timeout_s
         worker_id = f"island{island}-host{host}"
-        while True:
-            state = self.state()
-            if any(w.worker_id == worker_id and w.healthy and w.pid != not_pid for w in state.workers):
-                return
-            if time.monotonic() > deadline:
-                log = self.workers[(island, host)].log_tail()
-                raise TimeoutError(f"{worker_id} did not come back within {timeout_s:g} s; its last output:\n{log}")
-            time.sleep(0.05)
+        wait_until(
+            self.state,
+            timeout_s,
+            f"{worker_id} registered",
+            holds=lambda state: any(w.worker_id == worker_id and w.healthy and w.pid != not_pid for w in state.workers),
+            timeout_error=lambda _state: TimeoutError(
+                f"{worker_id} did not come back within {timeout_s:g} s; its last output:\n"
+                f"{self.workers[(island, host)].log_tail()}"
+            ),
+        )
 
     @property
     def exits(self) -> list[ChildExit]:

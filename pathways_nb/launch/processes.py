@@ -26,10 +26,10 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Sequence
 
 from pathways_nb.core.exit_status import exit_description
+from pathways_nb.core.wait import wait_until
 from pathways_nb.errors import PathwaysError
 
 # Set for every child on this machine: the pid of the process that launched it. A child whose
@@ -46,11 +46,8 @@ def exit_with_parent(stop, interval_s: float = 1.0) -> None:
         return
 
     def watch() -> None:
-        while True:
-            time.sleep(interval_s)
-            if os.getppid() != int(parent):
-                stop()
-                return
+        wait_until(lambda: os.getppid() != int(parent), None, "the launcher's end", interval_s=interval_s)
+        stop()
 
     threading.Thread(target=watch, name="pathways-parent-watch", daemon=True).start()
 
@@ -239,22 +236,30 @@ class ChildServer:
             )
 
     def wait_started(self, timeout_s: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            port = self._announced_port()
-            if port is not None:
-                self.port = port
-                self.status = Status.running
-                return
-            if self.process.poll() is not None:
-                self.status = Status.failed
-                how = self.node.describe_exit(self.process.returncode)
-                raise ServerStartError(f"{self.name} {how} while starting:\n{self.log()[-3000:]}")
-            if time.monotonic() > deadline:
-                self.close()
-                self.status = Status.failed
-                raise ServerStartError(f"{self.name} did not start within {timeout_s:g} s:\n{self.log()[-3000:]}")
-            time.sleep(0.02)
+        self.port = wait_until(
+            self._port_once_started,
+            timeout_s,
+            f"{self.name} started",
+            holds=lambda port: port is not None,
+            interval_s=0.02,
+            timeout_error=lambda _port: self._start_timed_out(timeout_s),
+        )
+        self.status = Status.running
+
+    def _port_once_started(self) -> int | None:
+        """The port the child announced, None while it starts; ``ServerStartError`` if it ended instead."""
+        port = self._announced_port()
+        if port is None and self.process.poll() is not None:
+            self.status = Status.failed
+            how = self.node.describe_exit(self.process.returncode)
+            raise ServerStartError(f"{self.name} {how} while starting:\n{self.log()[-3000:]}")
+        return port
+
+    def _start_timed_out(self, timeout_s: float) -> ServerStartError:
+        """Stops a child that did not start in time; the error that says so, with its output."""
+        self.close()
+        self.status = Status.failed
+        return ServerStartError(f"{self.name} did not start within {timeout_s:g} s:\n{self.log()[-3000:]}")
 
     def _announced_port(self) -> int | None:
         """The port this run of the child listens on, once it has said so (in its port file, or its output)."""

@@ -20,15 +20,16 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import TypeVar
 
 import grpc
 
 from pathways_nb.core.exit_status import exit_description
+from pathways_nb.core.wait import wait_until  # (the one wait: library code waits with it too)
 from pathways_nb.launch.processes import ChildServer
 from pathways_nb.protocol import schema
+from pathways_nb.testing import stall_guard
 from pathways_nb.testing.wire_requests import (  # noqa: F401 - SESSION_METADATA_KEY, STORE_METADATA_KEY: for tests
     SERVICE,
     SESSION_METADATA_KEY,
@@ -41,43 +42,16 @@ from pathways_nb.testing.wire_requests import (  # noqa: F401 - SESSION_METADATA
 T = TypeVar("T")
 
 
-def wait_until(
-    condition: Callable[[], T],
-    timeout_s: float,
-    what: str,
-    *,
-    holds: Callable[[T], object] = bool,
-    interval_s: float = 0.05,
-) -> T:
-    """Calls ``condition()`` every ``interval_s`` until ``holds`` of what it returned is true (by default:
-    until it returns something true), and returns that; ``TimeoutError`` after ``timeout_s``.
-
-    The error names ``what`` was awaited and the last value seen, so a wait that failed says how far
-    things got: return what was observed (a state, a list) rather than a bare bool where it helps, and
-    say in ``holds`` what it must be. An exception from ``condition`` ends the wait at once (raise one to
-    give up early, say when the process that was to do the thing has died).
-    """
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if holds(value):
-            return value
-        if time.monotonic() >= deadline:
-            seen = repr(value)
-            if len(seen) > 3000:  # the end of it: a log's last lines, say
-                seen = f"({len(seen) - 3000} characters before) ..." + seen[-3000:]
-            raise TimeoutError(f"{what}: not within {timeout_s:g} s; the last value seen: {seen}")
-        time.sleep(interval_s)
-
-
 @contextlib.contextmanager
 def proxy_process(devices: int = 4, *extra_args: str, startup_timeout_s: float = 60.0) -> Iterator[ChildServer]:
     """Runs ``pathways-nb proxy`` on a free port for the duration of the block."""
     server = ChildServer("proxy", ["proxy", "--server_port", "0", "--devices", str(devices), *extra_args])
     try:
         server.start(startup_timeout_s)
+        stall_guard.watch_server(server, f"pathways-nb proxy at {server.address}")
         yield server
     finally:
+        stall_guard.stopping(server)
         server.close()
 
 
@@ -181,15 +155,9 @@ def long_callback_stalls(stats: Iterable, longer_than_s: float = 0.5, since: flo
     ``stats``: ``pb.LoopStats`` as ``LocalCluster.loop_stats()`` or ``local_cluster.loop_stats`` read them. Stalls
     outside callbacks (the loop's thread waiting for a CPU on a loaded machine) are not the servers' doing.
     """
-    found = {}
-    for process in stats:
-        stalls = [
-            (round(stall.seconds, 2), stall.where.splitlines()[-2:])
-            for stall in process.longest
-            if stall.in_callback and stall.seconds > longer_than_s and stall.ended >= since
-        ]
-        if stalls:
-            found[process.process] = stalls
+    found: dict[str, list[tuple]] = {}
+    for process, stall in stall_guard.callback_stalls(stats, longer_than_s, since):
+        found.setdefault(process, []).append((round(stall.seconds, 2), stall.where.splitlines()[-2:]))
     return found
 
 
