@@ -33,17 +33,16 @@ import collections
 import enum
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
-from pathways_nb.core.dataflow import wait_on_loop
+from pathways_nb.core.dataflow import ArrayRecord, Pending, wait_on_loop
 from pathways_nb.core.events import event
 from pathways_nb.core.retry import Backoff, Retry
 from pathways_nb.protocol.errors import RequestError, as_request_error
 from pathways_nb.proxy.cluster_session import ClusterSession
+from pathways_nb.proxy.context import ProxyContext
 from pathways_nb.rpc import cluster_pb2 as pb
-
-if TYPE_CHECKING:
-    from pathways_nb.proxy.session import Session
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -66,6 +65,27 @@ _LETS_GO = frozenset(
 _LETS_ARRAYS_GO = frozenset({"destruct_array_request", "delete_array_request"})
 
 
+class SuspendableSession(Protocol):
+    """What a suspension needs of its session (``proxy.session.Session``, which makes it, is one): its loop and
+    context, its arrays and futures, and serving a held request or failing it. The session knows its suspension;
+    the suspension knows only this much of the session."""
+
+    session_id: int
+    loop: asyncio.AbstractEventLoop
+    context: ProxyContext
+    arrays: dict[int, ArrayRecord]
+    futures: dict[int, Pending]
+    closed: bool
+    events: Callable[[Any], None]
+
+    @property
+    def tenant(self) -> str: ...
+
+    def handle(self, request) -> None: ...
+
+    def reply_error(self, op_id: int, error: BaseException) -> None: ...
+
+
 class State(enum.Enum):
     running = "running"
     queued = "queued"  # suspended, and waiting for its devices again
@@ -77,7 +97,7 @@ class State(enum.Enum):
 class Suspension:
     """One session's state (running, suspended, ...) and the moves between them."""
 
-    def __init__(self, session: Session, devices: ClusterSession):
+    def __init__(self, session: SuspendableSession, devices: ClusterSession):
         self._session = session
         self._devices = devices
         self.state = State.running
@@ -99,7 +119,7 @@ class Suspension:
         self._watch_idle()
 
     @classmethod
-    def of(cls, session: Session, devices: Any) -> Suspension | None:
+    def of(cls, session: SuspendableSession, devices: Any) -> Suspension | None:
         """The suspension of a session whose devices a cluster lends (None for a single-process proxy's)."""
         return cls(session, devices) if isinstance(devices, ClusterSession) else None
 
