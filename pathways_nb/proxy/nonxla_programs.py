@@ -4,21 +4,24 @@ A compile reads the program, finds its kind and asks the kind's proxy half for a
 event loop; the session then holds a ``NonXlaProgram``. Its metadata answers as the stock client
 needs before every Execute, with nothing to describe: no shardings, an UNIMPLEMENTED layouts error
 (as for programs with tokens, so the client compares no counts), no donations, empty memory stats.
-An execute checks its arguments against the plan, makes the plan's outputs at once (the same specs
-every time), and runs the hosts' halves once its arguments exist and the session's earlier work on
-those hosts' devices has finished, off the event loop; the status resolves when every host is done.
+An execute (``executions.execute``, shared with XLA programs) checks its arguments against the
+plan, makes the plan's outputs at once (the same specs every time), and runs the hosts' halves once
+its arguments exist and the session's earlier work on those hosts' devices has finished, off the
+event loop; the status resolves when every host is done.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pathways_nb.core import nonxla, session_options, tuning
 from pathways_nb.core.dataflow import ArrayRecord, Pending
 from pathways_nb.core.followers import wait_until_ended
 from pathways_nb.protocol.errors import Code, InvalidRequest, RequestError, as_request_error
+from pathways_nb.proxy import executions
 from pathways_nb.proxy.dispatch import DEFERRED
 
 _LOGGER = logging.getLogger(__name__)
@@ -26,11 +29,117 @@ _LOGGER = logging.getLogger(__name__)
 
 @dataclass
 class NonXlaProgram:
-    """A session's handle on a compiled non-XLA program."""
+    """A session's handle on a compiled non-XLA program, and its execute strategy (``executions.Executable``).
+
+    Plugin programs and colocated Python execute alike; what differs between kinds is in their plans
+    (``ProgramPlan.execution``: the request, the proxy's own part, the undo, the callback).
+    """
 
     parsed: nonxla.ParsedProgram
     plan: nonxla.ProgramPlan
     deleted: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.plan.name
+
+    def check(self, request, inputs: Sequence[ArrayRecord]) -> None:
+        plan = self.plan
+        if len(inputs) != plan.num_args:
+            raise InvalidRequest(f"{plan.name} takes {plan.num_args} arguments, got {len(inputs)}")
+        for index, record in enumerate(inputs):
+            shards = len(record.sharding.device_ids) if record.sharding is not None else 0
+            if shards != len(plan.device_ids):
+                raise InvalidRequest(
+                    f"argument {index} of {plan.name} has {shards} shards; the program's arguments have one per "
+                    f"addressable device ({len(plan.device_ids)})"
+                )
+
+    def new_outputs(self) -> list[ArrayRecord]:
+        return [ArrayRecord(spec.kind, spec.shape, spec.sharding) for spec in self.plan.outputs]
+
+    def credit(self, request, inputs: Sequence[ArrayRecord]) -> int:
+        return 0
+
+    def start(self, session, request, inputs, outputs, status: Pending | None, failed_input) -> None:
+        """Runs the plan's next execution once its arguments exist and the session's earlier work on its hosts'
+        devices has run, off the loop; the arguments stay alive until then (``_Run``)."""
+        run = _Run(session, self.plan, inputs, outputs, status)
+        if failed_input is not None:
+            run.failed(failed_input)
+        else:
+            session.after(
+                inputs, lambda: session.in_background(run.run, run.done), outputs=outputs, on_error=run.failed
+            )
+
+
+class _Run:
+    """One execution of a planned program, from its start on the loop to its hosts' end.
+
+    The session's order: it runs after the session's latest XLA and non-XLA work on its hosts'
+    devices, and the next non-XLA program there runs after it. Its arguments stay alive until it has
+    run (or will not): a deletion of one, or a program donating it, waits (an Orbax save's arrays may
+    be donated by the next training step).
+    """
+
+    def __init__(self, session, plan: nonxla.ProgramPlan, inputs, outputs, status: Pending | None):
+        self.session, self.plan, self.inputs, self.outputs, self.status = session, plan, inputs, outputs, status
+        self.execution = plan.execution()
+        # Where the client's calls come from now (its notebook cell): what this one writes is tagged with it.
+        self.output_context = session.output.context if session.output is not None else ""
+        self.earlier = [
+            record
+            for d in plan.host_device_ids
+            for record in (*session.latest_work.get(d, ()), *session.latest_nonxla_work.get(d, ()))
+        ]
+        if outputs:  # the next non-XLA program on these devices runs after this one: the session's order
+            for device_id in plan.host_device_ids:
+                session.latest_nonxla_work[device_id] = outputs
+        for record in inputs:
+            record.begin_read()
+        self.held = list(inputs)
+
+    def release_arguments(self) -> None:
+        """Once: after the run, or instead of it."""
+        while self.held:
+            self.held.pop().end_read()
+
+    def run(self) -> list:
+        """Blocks, on the wait pool: the earlier work, the proxy's own part, then every host's."""
+        execution, session = self.execution, self.session
+        try:
+            _wait_for(self.earlier)
+            if execution.on_proxy is not None:
+                execution.on_proxy()
+            args = [record.live() for record in self.inputs]
+            try:
+                return session.runtime.run_program(self.plan, execution.request, args, self.output_context)
+            except RequestError:
+                if execution.undo is not None:
+                    _undo(session, self.plan, execution.undo, args)
+                raise
+        finally:
+            self.release_arguments()
+
+    def done(self, values, error: RequestError | None) -> None:
+        """On the loop: the results hold the values, or every one of them and the status the error."""
+        outputs = self.outputs
+        if error is None and len(values) != len(outputs):
+            error = as_request_error(RuntimeError(f"{self.plan.name} made {len(values)} results, not {len(outputs)}"))
+        if error is not None:
+            executions.fail_outputs(outputs, None, error)
+        else:
+            for record, value in zip(outputs, values, strict=True):
+                record.set(value)
+        if self.execution.finished is not None:
+            self.execution.finished(error)
+        if self.status is not None:
+            self.status.fail(error) if error is not None else self.status.resolve(None)
+
+    def failed(self, error: RequestError) -> None:
+        """It will not run (an argument failed): the arguments go, the results and status hold the error."""
+        self.release_arguments()
+        self.done(None, error)
 
 
 def session_view(session) -> nonxla.SessionView:
@@ -101,110 +210,6 @@ def metadata(session, loaded: NonXlaProgram):
     )
     response.donated_input_indices.SetInParent()
     response.compiled_memory_stats.SetInParent()
-    return response
-
-
-def execute(session, loaded: NonXlaProgram, request, op_id):
-    """Starts one execution of a planned program; replies at once (with the output specs on the first)."""
-    plan = loaded.plan
-    if loaded.deleted:
-        raise InvalidRequest(f"loaded executable {request.loaded_executable_handle} was deleted")
-    inputs = session.records(request.args_handles)
-    if len(inputs) != plan.num_args:
-        raise InvalidRequest(f"{plan.name} takes {plan.num_args} arguments, got {len(inputs)}")
-    for index, record in enumerate(inputs):
-        shards = len(record.sharding.device_ids) if record.sharding is not None else 0
-        if shards != len(plan.device_ids):
-            raise InvalidRequest(
-                f"argument {index} of {plan.name} has {shards} shards; the program's arguments have one per "
-                f"addressable device ({len(plan.device_ids)})"
-            )
-    options = request.execute_options
-    if request.result_status_handle and not options.fill_status:
-        raise InvalidRequest("result_status_handle is set but execute_options.fill_status is not")
-    client_handles = list(request.result_array_handle)
-    if client_handles and len(client_handles) != len(plan.outputs):
-        raise InvalidRequest(f"{len(client_handles)} result handles for a program with {len(plan.outputs)} results")
-    outputs = [ArrayRecord(spec.kind, spec.shape, spec.sharding) for spec in plan.outputs]
-    output_handles = client_handles or [session.server_handle() for _ in outputs]
-    session.add_new_arrays(output_handles, outputs, f"the {len(outputs)} result(s) of {plan.name}")
-    status = Pending() if options.fill_status else None
-    execution = plan.execution()
-    # Where the client's calls come from now (its notebook cell): what this one writes is tagged with it.
-    output_context = session.output.context if session.output is not None else ""
-    earlier = [
-        record
-        for d in plan.host_device_ids
-        for record in (*session.latest_work.get(d, ()), *session.latest_nonxla_work.get(d, ()))
-    ]
-    if outputs:  # the next non-XLA program on these devices runs after this one: the session's order
-        for device_id in plan.host_device_ids:
-            session.latest_nonxla_work[device_id] = outputs
-
-    # The arguments stay alive until the program has run (or will not): a deletion of one, or a
-    # program donating it, waits (an Orbax save's arrays may be donated by the next training step).
-    for record in inputs:
-        record.begin_read()
-    held = list(inputs)
-
-    def release_arguments() -> None:  # once: after the run, or instead of it
-        while held:
-            held.pop().end_read()
-
-    def run() -> list:
-        try:
-            _wait_for(earlier)
-            if execution.on_proxy is not None:
-                execution.on_proxy()
-            args = [record.live() for record in inputs]
-            try:
-                return session.runtime.run_program(plan, execution.request, args, output_context)
-            except RequestError:
-                if execution.undo is not None:
-                    _undo(session, plan, execution.undo, args)
-                raise
-        finally:
-            release_arguments()
-
-    def done(values, error: RequestError | None) -> None:
-        if error is None and len(values) != len(outputs):
-            error = as_request_error(RuntimeError(f"{plan.name} made {len(values)} results, not {len(outputs)}"))
-        if error is not None:
-            for record in outputs:
-                if not record.ready:
-                    record.fail(error)
-        else:
-            for record, value in zip(outputs, values, strict=True):
-                record.set(value)
-        if execution.finished is not None:
-            execution.finished(error)
-        if status is not None:
-            status.fail(error) if error is not None else status.resolve(None)
-
-    def failed(error: RequestError) -> None:
-        release_arguments()
-        done(None, error)
-
-    failed_input = next((record.error for record in inputs if record.ready and record.error is not None), None)
-    if failed_input is not None:
-        failed(failed_input)
-    else:
-        session.after(inputs, lambda: session.in_background(run, done), outputs=outputs, on_error=failed)
-    return execute_response(session, request, status, output_handles, outputs)
-
-
-def execute_response(session, request, status: Pending | None, handles: list[int], outputs: list[ArrayRecord]):
-    """The reply to an execute (of any program): its status handle, and the output specs if the server chose the
-    handles (the client's first execute of an executable; it caches them for the later ones)."""
-    response = session.messages.proxy.LoadedExecutableExecuteResponse()
-    if status is not None:
-        response.status_handle = session.add_future(status, request.result_status_handle or None)
-    if not request.result_array_handle:
-        for handle, record in zip(handles, outputs, strict=True):
-            out = response.outputs.add(array_handle=handle)
-            out.dtype.kind = record.kind
-            out.shape.dims.extend(record.shape)
-            out.sharding.CopyFrom(record.sharding.to_proto())
     return response
 
 

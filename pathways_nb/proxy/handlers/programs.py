@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pathways_nb.core import nonxla
@@ -11,7 +12,7 @@ from pathways_nb.core.events import event
 from pathways_nb.core.runtime_api import ArgumentFacts, ProgramInfo, check_arguments
 from pathways_nb.protocol import attributes, dtypes
 from pathways_nb.protocol.errors import Code, DataLoss, InvalidRequest, Unimplemented, as_request_error
-from pathways_nb.proxy import nonxla_programs
+from pathways_nb.proxy import executions, nonxla_programs
 from pathways_nb.proxy.context import CompileCache
 from pathways_nb.proxy.dispatch import DEFERRED, handles
 from pathways_nb.proxy.nonxla_programs import NonXlaProgram
@@ -22,11 +23,81 @@ XLA_COMPILE_OPTIONS = "xla::ifrt::XlaCompileOptions"
 
 @dataclass
 class LoadedProgram:
-    """A session's handle on a compiled program (programs themselves are shared via the cache)."""
+    """A session's handle on a compiled XLA program (programs themselves are shared via the cache).
+
+    Its execute strategy (``executions.Executable``): the devices must be the compiled ones; donated
+    arguments free their bytes, and are donated only once non-XLA programs that read them are done;
+    the program runs once its arguments exist and its group of islands serves.
+    """
 
     program: ProgramInfo
     deleted: bool = False
     output_kinds: tuple[int, ...] = field(default=())
+
+    @property
+    def name(self) -> str:
+        return self.program.name
+
+    def check(self, request, inputs: Sequence[ArrayRecord]) -> None:
+        if request.device_ids and tuple(request.device_ids) != self.program.device_ids:
+            raise InvalidRequest(
+                f"the program was compiled for devices {list(self.program.device_ids)}; "
+                f"it cannot run on {list(request.device_ids)}"
+            )
+
+    def new_outputs(self) -> list[ArrayRecord]:
+        program = self.program
+        return [
+            ArrayRecord(kind, aval.shape, sharding)
+            for kind, aval, sharding in zip(
+                self.output_kinds, program.signature.results, program.output_shardings, strict=True
+            )
+        ]
+
+    def credit(self, request, inputs: Sequence[ArrayRecord]) -> int:
+        return sum(
+            record.nbytes for record in self._donated(request, inputs) if record.error is None and not record.is_deleted
+        )
+
+    def _donated(self, request, inputs: Sequence[ArrayRecord]) -> list[ArrayRecord]:
+        keep = frozenset(request.execute_options.non_donatable_input_indices)
+        return [inputs[i] for i in self.program.donated_args if i not in keep and i < len(inputs)]
+
+    def start(self, session, request, inputs, outputs, status: Pending | None, failed_input) -> None:
+        program = self.program
+        for device_id in program.device_ids:  # what a later non-XLA program on these devices runs after
+            session.latest_work[device_id] = outputs
+        if failed_input is not None:
+            # An argument holds an error (e.g. it was lost with its host): so do the results, read later.
+            executions.fail_outputs(outputs, status, failed_input)
+            return
+        keep = frozenset(request.execute_options.non_donatable_input_indices)
+        donated = self._donated(request, inputs)
+
+        def run() -> None:
+            check_arguments(program, [_facts(record) for record in inputs])
+            try:
+                values = session.runtime.execute(program, [record.value for record in inputs], keep)
+            except DataLoss as lost:
+                # The island is down. As with a device failure, the results hold the error and raise it
+                # when they are read, not here (pathwaysutils' elastic mode relies on that).
+                for record in outputs:
+                    record.fail(lost)
+                return
+            for record, value in zip(outputs, values, strict=True):
+                record.set(value)
+            for record in donated:
+                record.deleted = True
+                record.free()
+
+        # A donated argument that a non-XLA program still reads (an Orbax save) is donated after it; a program
+        # over a group of islands that is forming (again) runs once it serves.
+        reads = [record.reads_done() for record in donated]
+        gate = session.runtime.ready(program.device_ids)
+        gates = [ArrayRecord.gate(gate)] if gate is not None else []
+        session.after([*inputs, *reads, *gates], run, outputs=outputs, on_error=status.fail if status else None)
+        if status is not None:
+            _finish_when_computed(session, outputs, status)
 
 
 def _assignment_devices(options) -> tuple[int, ...]:
@@ -269,71 +340,7 @@ def _fill_layouts(response, which: str, minor_to_majors, avals) -> None:
 )
 def execute(session, request, op_id):
     """Starts a program once its inputs exist; replies at once with (or without) output specs."""
-    loaded = session.program(request.loaded_executable_handle)
-    if isinstance(loaded, NonXlaProgram):
-        return nonxla_programs.execute(session, loaded, request, op_id)
-    program = loaded.program
-    if loaded.deleted:
-        raise InvalidRequest(f"loaded executable {request.loaded_executable_handle} was deleted")
-    inputs = session.records(request.args_handles)
-    options = request.execute_options
-    if request.result_status_handle and not options.fill_status:
-        raise InvalidRequest("result_status_handle is set but execute_options.fill_status is not")
-    if request.device_ids and tuple(request.device_ids) != program.device_ids:
-        raise InvalidRequest(
-            f"the program was compiled for devices {list(program.device_ids)}; "
-            f"it cannot run on {list(request.device_ids)}"
-        )
-    results = program.signature.results
-    client_handles = list(request.result_array_handle)
-    if client_handles and len(client_handles) != len(results):
-        raise InvalidRequest(f"{len(client_handles)} result handles for a program with {len(results)} results")
-    outputs = [
-        ArrayRecord(kind, aval.shape, sharding)
-        for kind, aval, sharding in zip(loaded.output_kinds, results, program.output_shardings, strict=True)
-    ]
-    output_handles = client_handles or [session.server_handle() for _ in outputs]
-    keep = frozenset(options.non_donatable_input_indices)
-    donated = [inputs[i] for i in program.donated_args if i not in keep and i < len(inputs)]
-    freed = sum(record.nbytes for record in donated if record.error is None and not record.is_deleted)
-    session.add_new_arrays(output_handles, outputs, f"the {len(outputs)} result(s) of {program.name}", credit=freed)
-    for device_id in program.device_ids:  # what a later non-XLA program on these devices runs after
-        session.latest_work[device_id] = outputs
-
-    def run() -> None:
-        check_arguments(program, [_facts(record) for record in inputs])
-        try:
-            values = session.runtime.execute(program, [record.value for record in inputs], keep)
-        except DataLoss as lost:
-            # The island is down. As with a device failure, the results hold the error and raise it
-            # when they are read, not here (pathwaysutils' elastic mode relies on that).
-            for record in outputs:
-                record.fail(lost)
-            return
-        for record, value in zip(outputs, values, strict=True):
-            record.set(value)
-        for record in donated:
-            record.deleted = True
-            record.free()
-
-    status = Pending() if options.fill_status else None
-    failed_input = next((record.error for record in inputs if record.ready and record.error is not None), None)
-    if failed_input is not None:
-        # An argument holds an error (e.g. it was lost with its host): so do the results, read later.
-        for record in outputs:
-            record.fail(failed_input)
-        if status is not None:
-            status.fail(failed_input)
-    else:
-        # A donated argument that a non-XLA program still reads (an Orbax save) is donated after it; a program
-        # over a group of islands that is forming (again) runs once it serves.
-        reads = [record.reads_done() for record in donated]
-        gate = session.runtime.ready(program.device_ids)
-        gates = [ArrayRecord.gate(gate)] if gate is not None else []
-        session.after([*inputs, *reads, *gates], run, outputs=outputs, on_error=status.fail if status else None)
-        if status is not None:
-            _finish_when_computed(session, outputs, status)
-    return nonxla_programs.execute_response(session, request, status, output_handles, outputs)
+    return executions.execute(session, session.program(request.loaded_executable_handle), request)
 
 
 def _facts(record: ArrayRecord) -> ArgumentFacts:
