@@ -25,6 +25,10 @@ from pathways_nb.notebook import kernelspec
 
 jax.config.update("jax_num_cpu_devices", 4)
 
+# The stall guard fails a test whose servers' loops ran one callback for more than 0.5 s (docs/testing.md);
+# pytester runs a test file that provokes it (tests/test_stall_guard.py).
+pytest_plugins = ["pathways_nb.testing.stall_plugin", "pytester"]
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: minutes, not seconds (a full pip install); run by make test")

@@ -1,0 +1,193 @@
+"""The stall guard: a test fails if a loop of a server it started, or of a shared one while it ran, ran one
+callback for more than 0.5 s (what the loop discipline forbids; docs/testing.md).
+
+What it reads is each server's loop watchdog (``core.loop``, through ``Diagnostics.GetLoopStats``). What
+it reads it from registers here once ``enable()`` has run (the test suite's ``conftest.py`` does): every
+``LocalCluster`` as it starts serving and again just before it stops (``launch.local_cluster.watchers``),
+and every ``testing.proxy_process``. A server still serving is read when ``check()`` runs; one that
+stopped was read as it stopped. Each ``check()`` returns the stalls that ended since the previous one,
+so the servers that outlive a test (the session's shared ones) are judged over each test alone.
+
+A stall while the loop waited for a CPU (a loaded machine) is counted apart by the watchdog and never
+fails. The watchdog keeps the 8 longest stalls of each process: an over-long callback that ended while 8
+longer stalls were kept is counted (``stalls_in_callbacks``) but not kept, and is reported as a
+``StallUnseen`` warning rather than a failure, since its length is unknown.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import grpc
+
+from pathways_nb.rpc import cluster_pb2 as pb
+
+LONGEST_CALLBACK_S = 0.5  # longer than this in one callback fails a test
+
+
+@dataclass(frozen=True)
+class Stall:
+    """One callback that held a server's loop too long."""
+
+    source: str  # the cluster or server, e.g. "LocalCluster at grpc://127.0.0.1:4242"
+    process: str  # its process, as its watchdog names it, e.g. "worker island0-host0"
+    seconds: float
+    ended: float  # time.time()
+    where: str  # the loop thread's innermost frames during the stall
+
+    def __str__(self) -> str:
+        ended = datetime.datetime.fromtimestamp(self.ended).strftime("%H:%M:%S.%f")[:-3]
+        where = "\n".join(f"    {line}" for line in self.where.splitlines())
+        return (
+            f"{self.process} ({self.source}): one callback held the loop for {self.seconds:.2f} s, "
+            f"until {ended}; the loop was in:\n{where}"
+        )
+
+
+class StallUnseen(UserWarning):
+    """A callback stall the watchdog counted but did not keep: its length is unknown."""
+
+
+def callback_stalls(
+    stats: Iterable[pb.LoopStats], longer_than_s: float, since: float = 0.0
+) -> list[tuple[str, object]]:
+    """``(process, pb.LoopStall)`` for each kept stall in a callback longer than ``longer_than_s`` that ended
+    after ``since`` (``time.time()``)."""
+    return [
+        (process.process, stall)
+        for process in stats
+        for stall in process.longest
+        if stall.in_callback and stall.seconds > longer_than_s and stall.ended > since
+    ]
+
+
+class _Watched:
+    """A cluster or server the guard reads: how, up to when it was judged, and what it said as it stopped."""
+
+    def __init__(self, source: str, read: Callable[[], list[pb.LoopStats]]):
+        self.source = source
+        self._read: Callable[[], list[pb.LoopStats]] | None = read
+        self.judged_until = 0.0  # time.time(): stalls that ended before were judged (or came before the first check)
+        self.counted: dict[str, int] = {}  # stalls_in_callbacks per process at the last check
+        self.last: list[pb.LoopStats] | None = None  # read as it stopped
+        self.unread = ""  # why it could not be read as it stopped
+
+    def stopping(self) -> None:
+        """Reads it one last time, while it still serves."""
+        if self._read is None:
+            return
+        try:
+            self.last = self._read()
+        except grpc.RpcError as error:  # a process of it was killed or stopped by the test
+            self.unread = f"{error.code().name}: {error.details()}"
+        self._read = None
+
+    def judge(self, now: float) -> tuple[list[Stall], list[str]]:
+        """The stalls over the limit that ended since the last judgement, and the processes with a callback stall
+        counted but not kept."""
+        if self._read is not None:
+            try:
+                stats = self._read()
+            except grpc.RpcError:  # a process is down at the moment (the test killed it): judged next time
+                return [], []
+        else:
+            stats = self.last or []
+        stalls = [
+            Stall(self.source, process, stall.seconds, stall.ended, stall.where)
+            for process, stall in callback_stalls(stats, LONGEST_CALLBACK_S, self.judged_until)
+        ]
+        unseen = []
+        for process in stats:
+            before = self.counted.get(process.process, 0)
+            kept = sum(1 for s in process.longest if s.in_callback and s.ended > self.judged_until)
+            smallest_kept = min((s.seconds for s in process.longest), default=0.0)
+            if process.stalls_in_callbacks - before > kept and smallest_kept > LONGEST_CALLBACK_S:
+                unseen.append(process.process)
+            self.counted[process.process] = process.stalls_in_callbacks
+        self.judged_until = now
+        return stalls, unseen
+
+
+_lock = threading.Lock()  # guards the two below: clusters start and stop on the tests' threads and supervisors'
+_serving: weakref.WeakKeyDictionary[object, _Watched] = weakref.WeakKeyDictionary()
+_stopped: list[_Watched] = []  # read as they stopped, judged at the next check
+_enabled = False
+
+
+def enable() -> None:
+    """Registers what starts from now on (``LocalCluster`` through its ``watchers``); idempotent."""
+    global _enabled
+    from pathways_nb.launch import local_cluster
+
+    with _lock:
+        if _enabled:
+            return
+        _enabled = True
+    local_cluster.watchers.append(_cluster_changed)
+
+
+def watch(owner: object, source: str, read: Callable[[], list[pb.LoopStats]]) -> None:
+    """Reads ``read()`` at each check while ``owner`` serves (nothing unless ``enable()`` ran)."""
+    if _enabled:
+        with _lock:
+            _serving[owner] = _Watched(source, read)
+
+
+def stopping(owner: object) -> None:
+    """``owner`` is about to stop: read one last time, judged at the next check."""
+    with _lock:
+        watched = _serving.pop(owner, None)
+    if watched is not None:
+        watched.stopping()
+        with _lock:
+            _stopped.append(watched)
+
+
+def watch_server(server, source: str) -> None:
+    """``watch`` for one server (a ``ChildServer``) of no cluster, which needs no token."""
+    from pathways_nb.core.security import ClusterCredentials
+    from pathways_nb.launch.local_cluster import loop_stats
+
+    watch(server, source, lambda: [loop_stats(server.hostport, ClusterCredentials())])
+
+
+def _cluster_changed(cluster) -> None:
+    """``LocalCluster.watchers``: it serves now, or is about to stop."""
+    from pathways_nb.launch.processes import Status
+
+    if cluster.status is Status.running:
+        watch(cluster, f"LocalCluster at {cluster.address}", cluster.loop_stats)
+    else:
+        stopping(cluster)
+
+
+def check() -> list[Stall]:
+    """The callback stalls over ``LONGEST_CALLBACK_S`` that ended since the last check, of everything registered
+    (each serving one read now); a ``StallUnseen`` warning for stalls counted but not kept."""
+    now = time.time()
+    with _lock:
+        watched = [*_serving.values(), *_stopped]
+        _stopped.clear()
+    stalls: list[Stall] = []
+    for one in watched:
+        found, unseen = one.judge(now)
+        stalls += found
+        for process in unseen:
+            warnings.warn(
+                f"{process} ({one.source}): a callback held the loop for more than 0.25 s, and the watchdog kept "
+                "longer stalls only: how long is unknown",
+                StallUnseen,
+                stacklevel=2,
+            )
+    return stalls
+
+
+def failure(stalls: list[Stall]) -> str:
+    """What a test that saw ``stalls`` fails with."""
+    return f"a server's loop ran one callback for more than {LONGEST_CALLBACK_S} s:\n" + "\n".join(map(str, stalls))
