@@ -130,7 +130,7 @@ class RmClient:
     async def drain(self, request: pb.DrainRequest) -> pb.WorkerState:
         """Has the resource manager drain a host (or put it back in service); the host's state."""
         return await self._again_until(
-            f"draining {request.worker_id or 'a host'}",
+            f"draining island {request.island} host {request.host_index}",
             lambda timeout: self._rm().Drain(request, metadata=self._metadata, timeout=timeout),
             DRAIN_DEADLINE_S,
         )
