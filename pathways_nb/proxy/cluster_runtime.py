@@ -36,12 +36,12 @@ from pathways_nb.core.runtime_api import (
 from pathways_nb.core.security import ClusterCredentials
 from pathways_nb.core.session_options import SECRET, SessionOptions
 from pathways_nb.core.storage import StorageRoot, default_root
-from pathways_nb.protocol.errors import Code, InvalidRequest, RequestError
+from pathways_nb.protocol.errors import Code, InvalidRequest, RequestError, Unavailable
 from pathways_nb.protocol.layouts import LayoutBook
 from pathways_nb.proxy.cluster_session import ClusterSession
 from pathways_nb.proxy.connection_output import HostLineSink
 from pathways_nb.proxy.lease import Lease, grant
-from pathways_nb.proxy.rm_client import CLOSE_WAIT_S, RmClient, allocate_request, run_on_loop
+from pathways_nb.proxy.rm_client import CLOSE_WAIT_S, PROFILE_DEADLINE_S, RmClient, allocate_request, run_on_loop
 from pathways_nb.proxy.worker_link import WorkerLink, WorkerLost
 from pathways_nb.rpc import cluster_pb2 as pb
 
@@ -546,7 +546,11 @@ class ClusterRuntime:
     def profile_resource_manager(self, control: pb.ProfileControl) -> bytes:
         """Starts or stops a trace of the resource manager's process; the stop returns it (blocks: for a pool
         thread, which waits for the loop's call)."""
-        return run_on_loop(self.loop, lambda: self.rm.profile(control)).wait()
+        answer = run_on_loop(self.loop, lambda: self.rm.profile(control))
+        try:
+            return answer.wait(PROFILE_DEADLINE_S + CLOSE_WAIT_S)
+        except TimeoutError:  # the loop never made the call: the proxy is stopping
+            raise Unavailable("the proxy stopped before it asked the resource manager for its trace") from None
 
     def query(self, worker: pb.Device, command: pb.Command, field: str) -> pb.Reply:
         link = self.control_link(worker)
