@@ -28,7 +28,7 @@ from pathways_nb.errors import PathwaysError
 from pathways_nb.launch.local_cluster import LocalCluster
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
-from pathways_nb.testing import WireSession, finished_ok, python_process, python_script, wait_until
+from pathways_nb.testing import WireSession, finished_ok, python_script, wait_until
 
 CLIENTS = Path(__file__).with_name("clients")
 IDLE_AFTER_S = 2.0
@@ -176,16 +176,10 @@ def test_idle_session_gives_its_island_to_a_waiting_one(suspending_cluster, oper
 def test_priority_above_the_ceiling_is_refused(suspending_cluster, operator):
     """A tenant that asks for more than its ceiling is told which ceiling (the stock client tries again until its
     time-out, kept short here), and nothing is allocated."""
-    code = """
-        import sys
-        import pathways_nb
-        try:
-            pathways_nb.connect(sys.argv[1], tenant=sys.argv[2], priority=int(sys.argv[3]), timeout_s=3)
-        except pathways_nb.ConnectionFailed as error:
-            print(error)
-    """
     for tenant, priority, ceiling in (("someone", "6", "5"), ("boss", "11", "10")):
-        out = finished_ok(python_process(code, suspending_cluster.address, tenant, priority), 120)
+        out = finished_ok(
+            python_script(CLIENTS / "asks_for_a_priority.py", suspending_cluster.address, tenant, priority), 120
+        )
         assert f"priority {priority}" in out and f"ceiling {ceiling}" in out, out
     assert not {"someone", "boss"} & {allocation.tenant for allocation in operator.state().allocations}
 
@@ -346,25 +340,8 @@ def test_a_session_that_ran_across_islands_is_preempted_and_resumes_intact(suspe
     takes island 1: its arrays on the group's members wait there, its next request waits for boss to leave, and
     then computes the same. (Suspending one once hung: one command object was queued on several workers' streams
     and the last request id was the only one answered.)"""
-    code = """
-        import sys
-        import jax, numpy as np
-        from jax.sharding import Mesh, NamedSharding, PartitionSpec
-        import pathways_nb
-
-        pathways_nb.connect(sys.argv[1], tenant="spanning")
-        mesh = Mesh(np.array(jax.devices()), ("x",))
-        host = np.arange(4 * 256, dtype=np.float32).reshape(4, 256)
-        total = jax.jit(lambda v: (v * 2).sum(axis=0))
-        spread = jax.device_put(host, NamedSharding(mesh, PartitionSpec("x")))
-        print(float(total(spread)[0]), flush=True)
-        sys.stdin.readline()
-        print(float(total(spread)[0]), np.array_equal(np.asarray(spread), host), flush=True)
-    """
     with _ended_at_the_end() as processes:
-        client = python_process(
-            code, suspending_cluster.address, env={"PATHWAYS_CLUSTER_TOKEN": suspending_cluster.token}
-        )
+        client = _client(suspending_cluster, "spans_two_islands.py")
         processes.append(client)
         assert _line(client) == "3072.0"
         boss = _takes(suspending_cluster, "boss", 1, 10, processes)
