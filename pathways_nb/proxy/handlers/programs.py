@@ -248,7 +248,7 @@ def compile_program(session, request, op_id):
         if program is None:
             started = time.time()
             try:
-                with session.context.activities.track("compile", "compiling", session.tenant):
+                with session.context.activities.track_from_pool(session.loop, "compile", "compiling", session.tenant):
                     program = session.runtime.compile(program_bytes, options_bytes, device_ids)
             except Exception:
                 session.events(event("compile", "compile", device_ids, started, time.time(), failed=True))
