@@ -9,7 +9,6 @@ session goes on.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from pathlib import Path
@@ -21,9 +20,6 @@ import pytest
 
 from pathways_nb import testing
 from pathways_nb.protocol import dtypes, shardings
-from pathways_nb.protocol.errors import DataLoss, Unavailable
-from pathways_nb.proxy.context import Quota
-from pathways_nb.proxy.host_buffers import HostBuffers
 from pathways_nb.testing import WireSession
 
 MIB = 1 << 20
@@ -142,32 +138,6 @@ def test_stored_host_buffers_count_until_deleted(wire):
     wire.delete_host_buffer(6)
     wire.store_host_buffer(8, b"\x05" * (40 * MIB))
     assert wire.lookup_host_buffer(8)[-2:] == b"\x05\x05"
-
-
-def test_a_staged_read_counts_until_deleted_and_a_closed_session_fails_its_lookups():
-    """``HostBuffers`` alone: a download holds its bytes of the quota from the moment it is staged."""
-    quota = Quota("host buffers", 100, "--session_host_buffer_bytes")
-    loop = asyncio.new_event_loop()
-    buffers = HostBuffers(loop, 5.0, quota)
-    try:
-        reading = buffers.stage(1, buffers.reserve(40, "reading array 1"))
-        assert buffers.ready(1) is reading and quota.in_use == 40
-        reading.resolve(memoryview(b"\x01" * 40))
-        assert buffers.ready(1) is None and bytes(buffers.read(1)) == b"\x01" * 40
-        buffers.stage(2, buffers.reserve(40, "reading array 2")).fail(DataLoss("the worker is gone"))
-        assert quota.in_use == 40  # a failed read gives its bytes back at once, and keeps its error
-        with pytest.raises(DataLoss, match="the worker is gone"):
-            buffers.read(2)
-        buffers.delete(1)
-        buffers.delete(2)
-        assert quota.in_use == 0
-        waiting = buffers.stage(3, buffers.reserve(40, "reading array 3"))
-        buffers.close("the client disconnected")
-        assert waiting.done and isinstance(waiting.error, Unavailable) and quota.in_use == 0
-        with pytest.raises(Unavailable, match="disconnected"):
-            buffers.read(3)
-    finally:
-        loop.close()
 
 
 def test_a_session_that_ends_gives_its_quota_back(limited):

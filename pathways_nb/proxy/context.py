@@ -34,6 +34,9 @@ class Quota:
     ``take`` refuses with RESOURCE_EXHAUSTED (naming the limit, what was asked,
     what is in use and the flag that raises it) instead of letting one tenant
     exhaust the server; whoever took bytes gives them back with ``give``.
+
+    Owned by its session's event loop: both are called there (another thread that frees
+    what a quota counts hands ``give`` to the loop, ``core.loop.call_on``).
     """
 
     def __init__(self, what: str, limit: int, flag: str):
@@ -41,24 +44,21 @@ class Quota:
         self.limit = limit
         self.flag = flag
         self.in_use = 0
-        self._lock = threading.Lock()
 
     def take(self, nbytes: int, for_what: str, credit: int = 0) -> int:
         """Counts ``nbytes`` as used, or raises ``ResourceExhausted``; ``credit`` bytes are about to be freed."""
-        with self._lock:
-            if self.limit and self.in_use - credit + nbytes > self.limit:
-                raise ResourceExhausted(
-                    f"{for_what} needs {_size(nbytes)} of {self.what}, but this session already holds "
-                    f"{_size(self.in_use)} of its {_size(self.limit)} limit ({self.flag}). Free what you no "
-                    f"longer need (delete arrays, x.delete()), or start the server with a larger {self.flag} "
-                    "(0 means no limit)"
-                )
-            self.in_use += nbytes
+        if self.limit and self.in_use - credit + nbytes > self.limit:
+            raise ResourceExhausted(
+                f"{for_what} needs {_size(nbytes)} of {self.what}, but this session already holds "
+                f"{_size(self.in_use)} of its {_size(self.limit)} limit ({self.flag}). Free what you no "
+                f"longer need (delete arrays, x.delete()), or start the server with a larger {self.flag} "
+                "(0 means no limit)"
+            )
+        self.in_use += nbytes
         return nbytes
 
     def give(self, nbytes: int) -> None:
-        with self._lock:
-            self.in_use -= nbytes
+        self.in_use -= nbytes
 
 
 def _size(nbytes: int) -> str:
@@ -76,6 +76,9 @@ class CompileCache:
 
     Sessions share it: a notebook that reconnects, or a second notebook running
     the same model, gets the executable without compiling again.
+
+    Only the compile pool's threads (``compile_threads``) touch it, never an event loop: its lock
+    is between those threads alone.
     """
 
     def __init__(self, entries: int):
@@ -98,6 +101,9 @@ class CompileCache:
             self.hits += 1
             self._programs.move_to_end(key)
             return program
+
+    def __len__(self) -> int:
+        return len(self._programs)
 
     def put(self, key: tuple, program: ProgramInfo) -> None:
         with self._lock:

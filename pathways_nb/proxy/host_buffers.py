@@ -29,12 +29,11 @@ import asyncio
 import hmac
 import os
 import stat
-import threading
 from pathlib import Path
 
 from pathways_nb.core import session_options, shared_memory
 from pathways_nb.core.dataflow import Pending
-from pathways_nb.core.loop import Later
+from pathways_nb.core.loop import Later, call_on
 from pathways_nb.protocol.errors import (
     DataLoss,
     DeadlineExceeded,
@@ -49,18 +48,23 @@ from pathways_nb.proxy.worker_link import OUTBOX
 
 
 class HostBuffers:
-    """Host buffers by client-chosen handle, for one session."""
+    """Host buffers by client-chosen handle, for one session; owned by the session's event loop.
+
+    Every method runs on ``loop``, and so does every change of the store and of its quota. The
+    one piece of work another thread does is a staged download's read, which ends wherever the
+    read does (a wait-pool thread, or the loop): it hands its bytes to the loop (``stage``).
+    """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, upload_timeout_s: float, quota: Quota):
-        """``loop``: where upload time-outs run (the server's)."""
+        """``loop``: the owner (the server's), where upload time-outs run too."""
         self._loop = loop
         self._upload_timeout_s = upload_timeout_s
         self.quota = quota
-        self._lock = threading.Lock()
         # handle -> (bytes, how many bytes of the quota they hold)
         self._stored: dict[int, tuple[memoryview, int]] = {}
         self._waiting: dict[int, Pending] = {}
-        # Downloads staged and still being read: handle -> (the read, the bytes it holds of the quota).
+        # Downloads staged and still being read: handle -> (done once the store has the bytes or the
+        # error, for the lookups that wait; the bytes it holds of the quota).
         self._reading: dict[int, tuple[Pending, int]] = {}
         # Buffers that could not be kept (an upload over the quota, a failed read), until taken or deleted.
         self._failed: dict[int, RequestError] = {}
@@ -137,18 +141,17 @@ class HostBuffers:
         The buffer holds the ``reserved`` bytes of the quota until it leaves the
         store; if it cannot be stored, they are given back here.
         """
-        with self._lock:
-            if self._closed_reason is not None or handle in self._stored or handle in self._reading:
-                self.quota.give(reserved)
-                if self._closed_reason is not None:
-                    raise Unavailable(self._closed_reason)
-                raise InvalidRequest(f"host buffer {handle} is already stored; handles are used once")
-            waiter = self._waiting.pop(handle, None)
-            if waiter is None:
-                self._stored[handle] = (data, reserved)
-        if waiter is not None:
+        if self._closed_reason is not None or handle in self._stored or handle in self._reading:
             self.quota.give(reserved)
-            waiter.resolve(data)
+            if self._closed_reason is not None:
+                raise Unavailable(self._closed_reason)
+            raise InvalidRequest(f"host buffer {handle} is already stored; handles are used once")
+        waiter = self._waiting.pop(handle, None)
+        if waiter is None:
+            self._stored[handle] = (data, reserved)
+            return
+        self.quota.give(reserved)
+        waiter.resolve(data)
 
     def fail(self, handle: int, error: RequestError) -> None:
         """The upload under ``handle`` cannot be kept: the request that takes it fails with ``error``.
@@ -156,123 +159,121 @@ class HostBuffers:
         The stock client drops its whole session when an upload RPC fails, so a problem of one
         buffer (a quota) is reported through the array made from it instead.
         """
-        with self._lock:
-            waiter = self._waiting.pop(handle, None)
-            if waiter is None:
-                self._failed[handle] = error
-        if waiter is not None:
+        waiter = self._waiting.pop(handle, None)
+        if waiter is None:
+            self._failed[handle] = error
+        else:
             waiter.fail(error)
 
     def stage(self, handle: int, reserved: int) -> Pending:
         """A download under ``handle`` whose bytes are still being read: resolve (or fail) the returned pending.
 
-        Until then ``ready(handle)`` gives the read to wait for; the ``reserved`` bytes stay counted
+        The reader may do so from any thread; the bytes (or the error) reach the store on the loop.
+        Until then ``ready(handle)`` gives what to wait for; the ``reserved`` bytes stay counted
         until the buffer is deleted (or given back at once if the read fails).
         """
-        reading = Pending()
-        with self._lock:
-            if self._closed_reason is not None or self._known(handle):
-                self.quota.give(reserved)
-                if self._closed_reason is not None:
-                    raise Unavailable(self._closed_reason)
-                raise InvalidRequest(f"host buffer {handle} is already in use; handles are used once")
-            self._reading[handle] = (reading, reserved)
-        reading.on_done(lambda data, error: self._read_done(handle, reading, data, error))
+        if self._closed_reason is not None or self._known(handle):
+            self.quota.give(reserved)
+            if self._closed_reason is not None:
+                raise Unavailable(self._closed_reason)
+            raise InvalidRequest(f"host buffer {handle} is already in use; handles are used once")
+        reading, landed = Pending(), Pending()
+        self._reading[handle] = (landed, reserved)
+        reading.on_done(lambda data, error: call_on(self._loop, self._read_done, handle, landed, data, error))
         return reading
 
     def _known(self, handle: int) -> bool:
         return handle in self._stored or handle in self._reading or handle in self._failed
 
-    def _read_done(self, handle: int, reading: Pending, data, error: BaseException | None) -> None:
-        with self._lock:
-            entry = self._reading.get(handle)
-            if entry is None or entry[0] is not reading:
-                return  # deleted (or the session closed) meanwhile: its bytes were given back then
-            del self._reading[handle]
-            if error is None:
-                self._stored[handle] = (data, entry[1])
-                return
+    def _read_done(self, handle: int, landed: Pending, data, error: BaseException | None) -> None:
+        entry = self._reading.get(handle)
+        if entry is None or entry[0] is not landed:
+            return  # deleted (or the session closed) meanwhile: its bytes were given back then
+        del self._reading[handle]
+        if error is None:
+            self._stored[handle] = (data, entry[1])
+        else:
             self._failed[handle] = error if isinstance(error, RequestError) else DataLoss(str(error))
-        self.quota.give(entry[1])
+            self.quota.give(entry[1])
+        landed.resolve(None)
 
     def ready(self, handle: int) -> Pending | None:
-        """The read a download still waits for (``stage``), or None if its bytes are there (or it failed)."""
-        with self._lock:
-            entry = self._reading.get(handle)
+        """What a lookup of a staged download waits for: done once its bytes (or its error) are stored.
+
+        None if there is nothing to wait for (stored, failed, or unknown: ``read`` says which).
+        """
+        entry = self._reading.get(handle)
         return entry[0] if entry is not None else None
 
     def take(self, handle: int) -> Pending:
         """The buffer under ``handle``, removed from the store, now or once it is uploaded."""
         pending = Pending()
-        with self._lock:
-            if self._closed_reason is not None:
-                pending.fail(Unavailable(self._closed_reason))
-                return pending
-            failed = self._failed.pop(handle, None)
-            if failed is not None:
-                pending.fail(failed)
-                return pending
-            stored = self._stored.pop(handle, None)
-            if stored is None:
-                if handle in self._waiting:
-                    pending.fail(InvalidRequest(f"host buffer {handle} is already used by another request"))
-                    return pending
-                self._waiting[handle] = pending
+        if self._closed_reason is not None:
+            pending.fail(Unavailable(self._closed_reason))
+            return pending
+        failed = self._failed.pop(handle, None)
+        if failed is not None:
+            pending.fail(failed)
+            return pending
+        stored = self._stored.pop(handle, None)
         if stored is not None:
             data, reserved = stored
             self.quota.give(reserved)
             pending.resolve(data)
             return pending
+        if handle in self._waiting:
+            pending.fail(InvalidRequest(f"host buffer {handle} is already used by another request"))
+            return pending
+        self._waiting[handle] = pending
         timer = Later(self._loop, self._upload_timeout_s, lambda: self._expire(handle, pending))
         pending.on_done(lambda _value, _error: timer.cancel())
         return pending
 
     def read(self, handle: int) -> memoryview:
         """The stored buffer, left in place (``HostBufferLookup``); a failed read raises its error."""
-        with self._lock:
-            stored = self._stored.get(handle)
-            failed = self._failed.get(handle)
-            reading = handle in self._reading
-            closed = self._closed_reason
-        if closed is not None:
-            raise Unavailable(closed)
+        if self._closed_reason is not None:
+            raise Unavailable(self._closed_reason)
+        stored = self._stored.get(handle)
         if stored is not None:
             return stored[0]
+        failed = self._failed.get(handle)
         if failed is not None:
             raise failed
-        if reading:
+        if handle in self._reading:
             raise FailedPrecondition(f"host buffer {handle} is still being read; wait for it (ready)")
         raise NotFound(f"no host buffer {handle} in this session")
 
     def delete(self, handle: int) -> None:
-        with self._lock:
-            stored = self._stored.pop(handle, None) or self._reading.pop(handle, None)
-            failed = self._failed.pop(handle, None)
-        if stored is None and failed is None:
+        """Drops the buffer; a download still being read is dropped now, and its bytes when they arrive."""
+        stored = self._stored.pop(handle, None)
+        reading = self._reading.pop(handle, None)
+        failed = self._failed.pop(handle, None)
+        if stored is None and reading is None and failed is None:
             raise NotFound(f"no host buffer {handle} in this session")
-        if stored is not None:
-            self.quota.give(stored[1])
+        for entry in (stored, reading):
+            if entry is not None:
+                self.quota.give(entry[1])
+        if reading is not None:
+            reading[0].resolve(None)  # a lookup that waited for it finds it gone
 
     def close(self, reason: str) -> None:
         """Drops every buffer and fails every request still waiting for one."""
-        with self._lock:
-            self._closed_reason = reason
-            waiting, self._waiting = self._waiting, {}
-            stored, self._stored = self._stored, {}
-            reading, self._reading = self._reading, {}
-            self._failed.clear()
+        self._closed_reason = reason
+        waiting, self._waiting = self._waiting, {}
+        stored, self._stored = self._stored, {}
+        reading, self._reading = self._reading, {}
+        self._failed.clear()
         self.quota.give(sum(reserved for _data, reserved in [*stored.values(), *reading.values()]))
-        for pending in [*waiting.values(), *(read for read, _reserved in reading.values())]:
+        for pending in [*waiting.values(), *(landed for landed, _reserved in reading.values())]:
             pending.fail(Unavailable(reason))
         if self._shared_directory is not None:
             # A client killed mid-upload leaves files nobody reads: gone with its directory.
             shared_memory.reap_stale()
 
     def _expire(self, handle: int, pending: Pending) -> None:
-        with self._lock:
-            if self._waiting.get(handle) is not pending:
-                return
-            del self._waiting[handle]
+        if self._waiting.get(handle) is not pending:
+            return
+        del self._waiting[handle]
         pending.fail(
             DeadlineExceeded(
                 f"the upload of host buffer {handle} did not arrive within "

@@ -239,7 +239,7 @@ class Session:
         sizes = [record.nbytes for record in records]
         self.device_bytes.take(sum(sizes), for_what, credit)
         for handle, record, nbytes in zip(handles, records, sizes, strict=True):
-            record.hold(lambda n=nbytes: self.device_bytes.give(n))
+            record.hold(lambda n=nbytes: call_on(self.loop, self.device_bytes.give, n))  # freed on any thread
             self.arrays[handle] = record
 
     def _check_free(self, handles: Sequence[int]) -> None:
