@@ -6,6 +6,9 @@ and a flag's former name where one was renamed (``alias``), without showing eith
 scripts written for an older spelling keep working, and every command lists one spelling. The
 parsers of subcommands are made by the parser they belong to, so each command added later
 (``add_subparsers().add_parser``) reads the hyphen spellings as well, with nothing to declare.
+
+Each command's module declares its own flags (``add_parser``); the flags that several commands
+share are declared here once, with one help text.
 """
 
 from __future__ import annotations
@@ -58,3 +61,42 @@ class ArgumentParser(argparse.ArgumentParser):
         ):
             return underscored + equals + value
         return word
+
+
+DEVICES_HELP = "number of CPU devices to create (default: JAX's, 1); accelerators always serve all of theirs"
+
+
+def byte_count(text: str) -> int:
+    """A number of bytes, 0 or more (argparse's error otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of bytes (an integer, 0 or more)")
+    return value
+
+
+def add_port_file(parser: argparse.ArgumentParser) -> None:
+    """``--port_file``, for a server a launcher starts (``launch.processes.ChildServer``)."""
+    parser.add_argument("--port_file", default=None, help="write the bound port to this file once serving")
+
+
+def add_suspend_memory_budget(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--suspend_memory_budget",
+        type=byte_count,
+        default=None,
+        metavar="BYTES",
+        help="bytes of suspended sessions' arrays a host keeps in its memory; beyond them they go to files under "
+        "the storage root until the session resumes (default: no limit)",
+    )
+
+
+def add_storage_root(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--storage_root",
+        default=None,
+        help=f"directory {what} under; a client's gs://BUCKET/PATH is BUCKET/PATH there, and nothing is "
+        "written outside it (default: $TMPDIR/pathways-nb-$USER/storage)",
+    )

@@ -19,6 +19,7 @@ through ``kubectl port-forward svc/<name>-proxy 29000:29000``.
 
 from __future__ import annotations
 
+import argparse
 import base64
 import os
 import pathlib
@@ -27,11 +28,11 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
-
+from pathways_nb._version import __version__
 from pathways_nb.core.security import generate_token
 from pathways_nb.deploy.accelerators import Accelerator, check_shape
 from pathways_nb.deploy.image import DOCKERFILE, DOCKERIGNORE
+from pathways_nb.rm import policy
 from pathways_nb.rm.policy import SessionPolicy
 
 JOBSET_API_VERSION = "jobset.x-k8s.io/v1alpha2"
@@ -401,6 +402,8 @@ def _replicated_job(
 
 def manifest_text(deployment: Deployment) -> str:
     """``pathways-nb.yaml``: how it was made and how to use it, then the JobSet and the Service."""
+    import yaml  # (here, not at the top: every pathways-nb command builds this command's parser)
+
     d = deployment
     namespace = f" -n {d.namespace}" if d.namespace is not None else ""
     build_args = (
@@ -429,6 +432,8 @@ def write(deployment: Deployment, output: str | pathlib.Path) -> list[pathlib.Pa
     An existing ``secret.yaml`` keeps its token, so re-running with new sizes and
     re-applying does not change the token under running servers.
     """
+    import yaml
+
     directory = pathlib.Path(output)
     directory.mkdir(parents=True, exist_ok=True)
     secret_path = directory / SECRET_FILE
@@ -455,6 +460,8 @@ def write(deployment: Deployment, output: str | pathlib.Path) -> list[pathlib.Pa
 
 def _existing_token(path: pathlib.Path) -> str | None:
     """The token of a Secret written earlier to ``path``, if there is one."""
+    import yaml
+
     try:
         secret = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError):
@@ -465,3 +472,47 @@ def _existing_token(path: pathlib.Path) -> str | None:
     if token is None and TOKEN_KEY in (secret.get("data") or {}):
         token = base64.b64decode(secret["data"][TOKEN_KEY]).decode()
     return token.strip() if isinstance(token, str) and token.strip() else None
+
+
+def add_parser(targets, common: argparse.ArgumentParser) -> None:
+    """``deploy k8s``, among ``targets`` (``deploy``'s commands); ``common``: every command's flags."""
+    k8s = targets.add_parser(
+        "k8s", parents=[common], help="Kubernetes: a JobSet, the proxy's Service, the token Secret, a Dockerfile"
+    )
+    k8s.add_argument("--islands", type=int, required=True, help="number of islands (one worker Job each)")
+    k8s.add_argument("--hosts_per_island", type=int, required=True, help="hosts (worker pods) per island")
+    k8s.add_argument("--devices_per_host", type=int, required=True, help="devices (chips) per host")
+    k8s.add_argument("--accelerator", default="cpu", help="cpu, tpu-v5e:2x2 or nvidia-h100:8 (default cpu)")
+    k8s.add_argument("--image", default=f"pathways-nb:{__version__}", help="the image built from this repository")
+    k8s.add_argument("--namespace", default=None, help="Kubernetes namespace (default: kubectl's current one)")
+    k8s.add_argument("--name", default="pathways-nb", help="the JobSet's name, which prefixes every object's")
+    k8s.add_argument(
+        "--colocated_python",
+        action="store_true",
+        help="run tenants' jax.experimental.colocated_python beside the devices: each worker pod gets a "
+        "colocated-host sidecar (CPU workers; docs/colocated_python.md)",
+    )
+    policy.add_arguments(k8s)
+    k8s.add_argument("--output", required=True, help="directory to write the files into")
+    k8s.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Writes the files ``deploy k8s`` names into ``--output``, and says what to do next."""
+    from pathways_nb.deploy.accelerators import accelerator
+
+    deployment = Deployment(
+        islands=args.islands,
+        hosts_per_island=args.hosts_per_island,
+        devices_per_host=args.devices_per_host,
+        accelerator=accelerator(args.accelerator),
+        image=args.image,
+        name=args.name,
+        namespace=args.namespace,
+        colocated_python=args.colocated_python,
+        policy=SessionPolicy(args.suspend_idle_after, args.suspend_idle_always, args.priority_ceiling),
+    )
+    for path in write(deployment, args.output):
+        print(f"wrote {path}")
+    print(f"next: build and push {args.image}, kubectl apply -f {args.output}, then see docs/kubernetes.md")
+    return 0

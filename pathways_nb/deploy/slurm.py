@@ -11,6 +11,7 @@ node, supervises them, and once the cluster serves writes ``DIR/address`` and
 
 from __future__ import annotations
 
+import argparse
 import os
 import pathlib
 import re
@@ -19,6 +20,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pathways_nb.core import security
 from pathways_nb.core.security import TlsFiles
 from pathways_nb.deploy.accelerators import ACCELERATORS, Accelerator, check_shape, gpus
 from pathways_nb.launch import connection_files
@@ -179,3 +181,54 @@ def write(deployment: SlurmDeployment, output: str | os.PathLike[str]) -> pathli
     path.write_text(text)
     path.chmod(0o755)
     return path
+
+
+def add_parser(targets, common: argparse.ArgumentParser) -> None:
+    """``deploy slurm``, among ``targets`` (``deploy``'s commands); ``common``: every command's flags."""
+    slurm = targets.add_parser(
+        "slurm", parents=[common], help="Slurm: a batch script that runs the cluster as steps of one job"
+    )
+    slurm.add_argument("--islands", type=int, required=True, help="number of islands")
+    slurm.add_argument("--hosts_per_island", type=int, required=True, help="hosts (nodes) per island")
+    slurm.add_argument("--devices_per_host", type=int, required=True, help="devices per host (its GPUs, with GPUs)")
+    slurm.add_argument(
+        "--gpus_per_node", type=int, default=0, help="GPUs per node (--gres=gpu:G, CUDA workers); default 0: CPU"
+    )
+    slurm.add_argument("--partition", default=None, help="the partition to run in (default: Slurm's)")
+    slurm.add_argument("--time", default=None, help="the job's time limit, e.g. 2:00:00 (default: the partition's)")
+    slurm.add_argument(
+        "--colocated_python",
+        action="store_true",
+        help="run tenants' jax.experimental.colocated_python beside the devices (CPU workers; "
+        "docs/colocated_python.md)",
+    )
+    slurm.add_argument(
+        "--storage_root",
+        default=None,
+        help="directory every node sees, where the workers and the proxy write profiles and checkpoints "
+        "(gs://BUCKET/PATH is BUCKET/PATH there); default: storage/ in --output",
+    )
+    slurm.add_argument(
+        "--output", required=True, help="directory for pathways.sbatch, the job's output, its address and token"
+    )
+    security.add_arguments(slurm, serve_tls=True, call_tls=True)
+    slurm.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Writes the batch script ``deploy slurm`` describes into ``--output``, and says what to do next."""
+    deployment = SlurmDeployment(
+        islands=args.islands,
+        hosts_per_island=args.hosts_per_island,
+        devices_per_host=args.devices_per_host,
+        gpus_per_node=args.gpus_per_node,
+        partition=args.partition,
+        time=args.time,
+        colocated_python=args.colocated_python,
+        storage_root=args.storage_root,
+        token_file=args.token_file,
+        tls=TlsFiles.of(args.tls_cert, args.tls_key, args.tls_ca),
+    )
+    path = write(deployment, args.output)
+    print(f"wrote {path}\nnext: sbatch {path}, then %pathways connect slurm://JOBID (see docs/slurm.md)")
+    return 0

@@ -9,6 +9,8 @@ and removed by the next reader.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import os
 import sys
@@ -21,6 +23,29 @@ from pathways_nb.core.wait import wait_until
 
 # How often a followed log is read again for new lines.
 FOLLOW_INTERVAL_S = 0.25
+
+
+def add_parser(commands, common: argparse.ArgumentParser) -> None:
+    """The ``logs`` command, among ``commands``; ``common``: every command's flags."""
+    logs = commands.add_parser(
+        "logs", parents=[common], help="show the logs of a cluster that pathways-nb up (or LocalCluster) runs here"
+    )
+    logs.add_argument(
+        "process", nargs="*", help="which processes (proxy, resource-manager, worker-0-0, ...; default: all)"
+    )
+    logs.add_argument(
+        "--server_port", type=int, default=None, help="the cluster whose proxy has this port (default: the only one)"
+    )
+    logs.add_argument("--follow", action="store_true", help="keep showing new lines until the cluster stops")
+    logs.add_argument("--tail", type=int, default=None, help="only the last N lines of each (default: all)")
+    logs.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Shows the logs (and with ``--follow``, new lines until the cluster stops or Ctrl-C); exit status 0."""
+    with contextlib.suppress(KeyboardInterrupt):  # the end of --follow
+        show(find(args.server_port), args.process, args.tail, args.follow)
+    return 0
 
 
 @dataclass(frozen=True)

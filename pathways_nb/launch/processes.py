@@ -18,6 +18,7 @@ be shared between the machines.
 from __future__ import annotations
 
 import enum
+import logging
 import os
 import re
 import signal
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Sequence
 
 from pathways_nb.core.exit_status import exit_description
@@ -108,6 +110,21 @@ class StopRequest:
             return f"because it cannot go on: {self.failure}"
         return f"on {signal.Signals(signum).name}" if signum else "because its launcher exited"
 
+
+
+def serve_until_stopped(server, message: str, started: float, port_file: str | None, stop=None) -> int:
+    """In a server's process (``pathways-nb proxy``, ``worker``, ...): announces ``server``, started at
+    ``started`` (``time.monotonic()``), and stops it on SIGINT/SIGTERM, when its launcher dies, or when it fails
+    (``stop.fail``: then the process exits with 1); returns the exit status."""
+    stop = stop or StopRequest()
+    stop.listen()  # (the server's start may have joined a JAX distributed runtime, which takes SIGTERM)
+    exit_with_parent(stop.request)
+    print(f"{message} (started in {time.monotonic() - started:.1f} s)", flush=True)
+    if port_file:
+        announce_port(port_file, server.port)
+    logging.getLogger("pathways_nb").info("stopping %s", stop.wait())
+    server.stop()
+    return 1 if stop.failure is not None else 0
 
 # How every pathways-nb command logs (``cli.main``), and what in such a log reports an error: a record
 # at ERROR or above, or a traceback that nothing logged (a thread's, or the process's own end).

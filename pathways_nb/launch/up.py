@@ -16,16 +16,82 @@ import contextlib
 import os
 import tempfile
 
-from pathways_nb.core import security
+from pathways_nb.core import security, tuning
+from pathways_nb.core.command_line import add_suspend_memory_budget
 from pathways_nb.launch import connection_files, slurm
 from pathways_nb.launch.local_cluster import LocalCluster
 from pathways_nb.launch.processes import StopRequest
+from pathways_nb.rm import policy
 
 # Islands of a cluster on this machine, unless --islands says otherwise.
 DEFAULT_ISLANDS = 2
 
 
-def up(args: argparse.Namespace) -> int:
+def add_parser(commands, common: argparse.ArgumentParser) -> None:
+    """The ``up`` command, among ``commands``; ``common``: every command's flags."""
+    up = commands.add_parser(
+        "up", parents=[common], help="start a whole cluster here, or over a Slurm allocation (Ctrl-C stops it)"
+    )
+    up.add_argument(
+        "--islands", type=int, default=None, help="number of islands (default 2; with --slurm: as many as nodes hold)"
+    )
+    up.add_argument("--hosts_per_island", type=int, default=1, help="hosts per island")
+    up.add_argument("--devices_per_host", type=int, default=4, help="devices per host")
+    up.add_argument("--server_port", type=int, default=29000, help="the proxy's port; 0 picks a free one")
+    up.alias("--port", "--server_port")
+    up.add_argument("--platform", default="cpu", help="the workers' platform")
+    up.add_argument(
+        "--colocated_python",
+        action="store_true",
+        help="run tenants' jax.experimental.colocated_python beside the devices (docs/colocated_python.md)",
+    )
+    up.add_argument(
+        "--colocated_python_executable",
+        default=None,
+        help="the Python interpreter colocated Python executors run (default: this one)",
+    )
+    up.add_argument(
+        "--storage_root",
+        default=None,
+        help="directory the workers and the proxy write profiles and checkpoints under (gs://BUCKET/PATH is "
+        "BUCKET/PATH there); default: storage/ in the cluster's directory, kept if anything was written",
+    )
+    up.add_argument(
+        "--worker_timeout",
+        type=float,
+        default=tuning.ONE_MACHINE_WORKER_TIMEOUT_S.value,
+        help="seconds within which a worker that stopped answering is found dead (longer than the resource "
+        "manager's 3 s: processes that share a machine's cores can stall for seconds when it is busy)",
+    )
+    up.add_argument(
+        "--keep_logs",
+        action="store_true",
+        help="keep its processes' logs when it stops (default: only if the run failed: a process ended or "
+        "logged an error)",
+    )
+    policy.add_arguments(up)
+    add_suspend_memory_budget(up)
+    up.add_argument(
+        "--slurm",
+        action="store_const",
+        const=True,
+        default=None,
+        help="lay the cluster out over this Slurm allocation's nodes, one job step per server (default when "
+        "SLURM_JOB_ID is set: in a batch script or under salloc; docs/slurm.md)",
+    )
+    up.add_argument("--no_slurm", dest="slurm", action="store_const", const=False, help="keep it on this machine")
+    up.add_argument(
+        "--output",
+        default=None,
+        help="write the cluster's address (DIR/address) and token (DIR/token, mode 0600) into this directory "
+        "once it serves, removed when it stops (default with --slurm: ./pathways-nb-JOBID)",
+    )
+    security.add_arguments(up, serve_tls=True, call_tls=True)
+    up.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs the cluster until it is stopped; the process's exit status."""
     allocation = slurm.allocation_for(args.slurm)
     output = args.output or (f"pathways-nb-{allocation.job_id}" if allocation else None)
     if allocation is not None:
