@@ -239,7 +239,7 @@ def python_script(path: str | os.PathLike, *args: str, env: dict[str, str] | Non
 
 
 def python_process(code: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """``python -c code args...``, as ``python_script`` runs a file (the soak's and the benchmarks' clients
+    """``python -c code args...``, as ``python_script`` runs a file (the benchmarks' clients
     are strings still)."""
     return _python(["-c", textwrap.dedent(code), *args], env)
 

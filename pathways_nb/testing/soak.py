@@ -19,6 +19,7 @@ once, so during the soak nothing new is compiled and caches do not grow.
 from __future__ import annotations
 
 import json
+import os
 import queue
 import subprocess
 import textwrap
@@ -31,79 +32,9 @@ import psutil
 
 from pathways_nb.core.exit_status import exit_description
 from pathways_nb.launch.local_cluster import LocalCluster
-from pathways_nb.testing import finish, python_process, wait_until_sessions_end
+from pathways_nb.testing import finish, python_script, wait_until_sessions_end
 
-CLIENT = """
-    import itertools, json, random, sys, time
-    import jax, jax.numpy as jnp, numpy as np, pathways_nb
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
-    # seconds: > 0 works that long; 0 runs every workload once (the warm-up); < 0 works until killed,
-    # reporting each finished workload.
-    address, seconds, seed, token = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    jax.config.update("jax_num_cpu_devices", 4)             # local twins of an island's devices, for the checks
-    rng = random.Random(seed)
-    cpu = jax.devices("cpu")
-    PROGRAMS = [jax.jit(lambda x: jnp.tanh(x @ x.T).sum(axis=0)), jax.jit(lambda x: (x * 3 + 1).astype(jnp.float32)),
-                jax.jit(lambda x: jnp.cumsum(x, axis=-1))]
-    SHAPES = [(8, 8), (128, 64)]
-    DTYPES = [np.float32, np.float16]
-    KINDS = ["upload", "program", "sharded", "between islands"]
-
-    def same(remote, local):
-        remote, local = np.asarray(remote), np.asarray(local)
-        return remote.dtype == local.dtype and remote.shape == local.shape and np.array_equal(remote, local)
-
-    def work(kind, shape, dtype, program, island, islands):
-        x = (np.random.default_rng(rng.randrange(1 << 30)).standard_normal(shape) * 4).astype(dtype)
-        device = islands[island][0]
-        if kind == "upload":
-            return same(jax.device_put(x, device), x)
-        if kind == "program":
-            return same(program(jax.device_put(x, device)), program(jax.device_put(x, cpu[0])))
-        if kind == "sharded":
-            size = len(islands[island])
-            sharded = jax.device_put(x, NamedSharding(Mesh(np.array(islands[island]), ("x",)), P("x")))
-            local = jax.device_put(x, NamedSharding(Mesh(np.array(cpu[:size]), ("x",)), P("x")))
-            return same(program(sharded), program(local))
-        other = islands[(island + 1) % len(islands)][-1]
-        return same(jax.device_put(jax.device_put(x, device), other), x)
-
-    def everything(islands):
-        # Every combination once: after a warm-up that ran it, nothing new is compiled.
-        return itertools.product(KINDS, SHAPES, DTYPES, PROGRAMS, sorted(islands))
-
-    def describe(combo):
-        kind, shape, dtype, program, island = combo
-        return f"{kind} {shape} {np.dtype(dtype).name} program {PROGRAMS.index(program)} island {island}"
-
-    report = {"seed": seed, "iterations": 0, "wrong": 0, "wrong_work": [], "errors": [], "connects": 0}
-    started = time.monotonic()
-    while True:
-        pathways_nb.connect(address, tenant=f"soak-{seed}", token=token or None, progress=False)
-        report["connects"] += 1
-        islands = {}
-        for d in jax.devices("proxy"):
-            islands.setdefault(d.island, []).append(d)
-        combos = list(everything(islands))
-        chosen = combos if seconds == 0 else [rng.choice(combos) for _ in range(rng.randrange(20, 60))]
-        for combo in chosen:
-            try:
-                if not work(*combo, islands):
-                    report["wrong"] += 1
-                    report["wrong_work"].append(describe(combo))
-            except Exception as error:
-                report["errors"].append(f"{describe(combo)}: {type(error).__name__}: {str(error)[:300]}")
-            report["iterations"] += 1
-            if seconds < 0:
-                print(json.dumps({"progress": report["iterations"]}), flush=True)
-            if time.monotonic() - started >= seconds > 0:
-                break
-        pathways_nb.disconnect()
-        if 0 <= seconds <= time.monotonic() - started:
-            break
-    print(json.dumps(report), flush=True)
-"""
+CLIENT = os.path.join(os.path.dirname(__file__), "soak_client.py")
 
 
 @dataclass
@@ -159,7 +90,7 @@ def _rss(cluster: LocalCluster) -> dict[str, int]:
 
 
 def _client(cluster: LocalCluster, seconds: float, seed: int) -> subprocess.Popen:
-    return python_process(CLIENT, cluster.address, str(seconds), str(seed), cluster.token)
+    return python_script(CLIENT, cluster.address, str(seconds), str(seed), cluster.token)
 
 
 def _kill_mid_work(victim: subprocess.Popen, reports: int, timeout_s: float) -> str:
