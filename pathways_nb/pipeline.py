@@ -178,8 +178,14 @@ class Pipeline:
         self._order = issue_order(self.plans)
         last = len(stages) - 1
         self._programs = [_StagePrograms(fn, s, s == last, recompute, 1 / microbatches) for s, fn in enumerate(stages)]
-        self._split = jax.jit(functools.partial(_split_microbatches, microbatches=microbatches))
+        self._split = _jit(functools.partial(_split_microbatches, microbatches=microbatches), "split_microbatches")
         self._checked: set = set()
+
+    @property
+    def step_program(self) -> str:
+        """The name of the first program of every step (it cuts the batch into microbatches): a timeline's
+        ``step_program``, as in ``Session.timeline(last=1, step_program=pipe.step_program)``."""
+        return "jit_split_microbatches"
 
     def step(self, params: Sequence[Any], batch: Any, targets: Any = None) -> StepResult:
         """One training step: the mean loss over the batch and each stage's gradients, as futures.
@@ -271,6 +277,7 @@ def _added(accumulated, tree):
 
 
 def _jit(fn: Callable, name: str, donate: tuple[int, ...] = ()) -> Callable:
+    """``jax.jit``, its program named ``jit_<name>`` (what timelines and profiles show)."""
     fn.__name__ = fn.__qualname__ = name
     return jax.jit(fn, donate_argnums=donate)
 
