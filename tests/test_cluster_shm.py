@@ -31,6 +31,7 @@ from pathways_nb.protocol import dtypes
 from pathways_nb.protocol.errors import RequestError
 from pathways_nb.protocol.shardings import IfrtSharding
 from pathways_nb.proxy.cluster_runtime import ClusterRuntime
+from pathways_nb.proxy.placement import local_sharding
 from pathways_nb.proxy.worker_link import WorkerLost
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
@@ -69,7 +70,7 @@ def proxy(cluster):
 
 
 def _link(session, device_id: int):
-    return session._link(session._device(device_id))
+    return session.streams.link(session.devices.device(device_id))
 
 
 CLIENTS = Path(__file__).with_name("clients")
@@ -143,7 +144,7 @@ def test_a_file_outside_the_private_root_is_refused(proxy, cluster, tmp_path):
     meta = array_meta(
         dtypes.from_numpy(np.dtype(np.uint8)),
         (4096,),
-        session._local(IfrtSharding((device,)), session._placed((device,))),
+        local_sharding(IfrtSharding((device,)), session.placement.placed((device,))),
     )
     array_id = link.new_id()
     link.send(pb.Command(put=pb.Put(id=array_id, meta=meta, shared=pb.SharedFile(path=str(stranger), size=4096))))
@@ -305,8 +306,10 @@ def test_a_relocated_array_arrives_by_shards_and_bad_shards_fail_it_clearly(prox
     link = _link(session, devices[0])
     host = np.arange(4 * 6, dtype=np.float32).reshape(4, 6)
     sharding = IfrtSharding(devices, op_sharding=_split_rows(2))
-    meta = array_meta(dtypes.from_numpy(host.dtype), host.shape, session._local(sharding, session._placed(devices)))
-    locals_ = [session._device(d).local_id for d in devices]
+    meta = array_meta(
+        dtypes.from_numpy(host.dtype), host.shape, local_sharding(sharding, session.placement.placed(devices))
+    )
+    locals_ = [session.devices.device(d).local_id for d in devices]
     stub = cluster_pb2_grpc.WorkerStub(cluster.credentials.channel(link.address))
     good, bad = link.new_id(), link.new_id()
     chunk = pb.ArrayChunk(session=link.session_key, id=good, meta=meta, data=host.tobytes(), shard_devices=locals_)

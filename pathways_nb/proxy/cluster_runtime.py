@@ -38,6 +38,7 @@ from pathways_nb.core.session_options import SECRET, SessionOptions
 from pathways_nb.core.storage import StorageRoot, default_root
 from pathways_nb.protocol.errors import Code, InvalidRequest, RequestError, Unavailable
 from pathways_nb.protocol.layouts import LayoutBook
+from pathways_nb.proxy.cluster_api import GroupPlacement, RemoteProgram
 from pathways_nb.proxy.cluster_session import ClusterSession
 from pathways_nb.proxy.connection_output import HostLineSink
 from pathways_nb.proxy.lease import Lease, grant
@@ -46,30 +47,6 @@ from pathways_nb.proxy.worker_link import WorkerLink, WorkerLost
 from pathways_nb.rpc import cluster_pb2 as pb
 
 _LOGGER = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class GroupPlacement:
-    """Where the arrays and programs over a group of islands live: each device's twin on the group's members.
-
-    ``island`` is a number of the proxy's own for the group (negative, never an island's), so that the
-    group's members are one island of several hosts to everything that groups links by island.
-    """
-
-    name: str
-    island: int
-    epoch: int
-    devices: dict[int, pb.Device]  # the client's device id -> its member device
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class RemoteProgram(ProgramInfo):
-    """A program of one island; kept to compile it on each of its hosts, and again if a host restarts."""
-
-    hosts: tuple = ()  # one device (pb.Device) per host the program runs on, in host order
-    stablehlo: bytes = b""
-    compile_options: bytes = b""  # with the worker's local device ids
-    local_device_ids: tuple[int, ...] = ()
 
 
 class ClusterRuntime:
