@@ -8,31 +8,30 @@ Pathways serves more than StableHLO through the same Compile/Execute requests
 - **custom-call programs** (``xla::ifrt::CustomCallProgram``): a ``CustomCallProgramProto`` whose
   ``type`` says what it is (``jax_colocated_python_v0.0.1``).
 
-Each (kind, key) is a ``ProgramKind`` with two halves:
+Each (kind, key) has two halves, one for each side:
 
-- the proxy half, ``plan(body, session) -> ProgramPlan``: checks the request against the session
-  (paths, sizes, devices it holds) and says where it runs and what it returns. Its output specs
-  are the same on every execution (the stock client caches the first Execute's);
-- the host half, ``run(request, runtime, args, device_ids, results, context) -> values``: what one
-  host (a worker, or the single-process proxy) does with its local arrays. It blocks on a pool
-  thread, never on a stream's loop, and raises ``RequestError`` subclasses with clear messages.
+- the proxy half (``ProxyHalf.plan(body, session) -> ProgramPlan``): checks the request against the
+  session (paths, sizes, devices it holds) and says where it runs and what it returns. Its output
+  specs are the same on every execution (the stock client caches the first Execute's). It does no
+  device work;
+- the host half (``HostHalf.run(request, runtime, args, device_ids, results, context) -> values``):
+  what one host (a worker, or the single-process proxy) does with its local arrays. It blocks on a
+  pool thread, never on a stream's loop, and raises ``RequestError`` subclasses with clear messages.
 
-A kind registers itself when its module is imported (``register``); ``KIND_MODULES`` lists those
-modules, imported on first use by whichever process needs a kind, so that this module (which both
-sides use) imports none of them. Anything a client sends that no kind serves is refused with
-INVALID_ARGUMENT, and for plugin programs the text says "Bad PluginProgram" (what pathwaysutils
-looks for) and lists the keys this server knows.
+This module holds what both sides share: the request parsing, the plan and its executions, and the
+registry's type (``ProgramHalves``). Each side builds its own registry from an explicit list of its
+halves (``proxy/program_kinds.py``, ``worker/program_kinds.py``); this module names none of them.
+Anything a client sends that no half serves is refused with INVALID_ARGUMENT, and for plugin
+programs the text says "Bad PluginProgram" (what pathwaysutils looks for) and lists the keys served.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 from pathways_nb.core import tuning
 from pathways_nb.core.storage import StorageRoot
@@ -46,9 +45,6 @@ CUSTOM_CALL = "custom_call"
 # IFRT program type names (``request.program.type_name`` of a compile) -> our kinds.
 PROGRAM_TYPES = {"xla::ifrt::PluginProgram": PLUGIN, "xla::ifrt::CustomCallProgram": CUSTOM_CALL}
 PLUGIN_PREFIX = b"__serialized_plugin_program "
-
-# The modules that register kinds (imported on first use, see ``kinds``).
-KIND_MODULES = ("pathways_nb.worker.profiles", "pathways_nb.worker.persistence", "pathways_nb.worker.colocated")
 
 
 @dataclass(frozen=True)
@@ -183,7 +179,7 @@ class HostContext:
     tenant: str = ""
     # The worker's key of the session the program runs for ("" where there is none).
     session: str = ""
-    # This host's colocated Python (``worker.colocated.ColocatedPython``; None: the cluster runs none).
+    # This host's colocated Python (``colocated.worker.ColocatedPython``; None: the cluster runs none).
     colocated: Any = None
     # Where what the program's user code writes goes (``worker.executors.LineSink``; None: nowhere), and
     # the client's output context of the call, which tags it (``pathways_nb.v1.OutputLine.context``).
@@ -210,15 +206,22 @@ class HostContext:
         )
 
 
-class ProgramKind:
-    """One kind of non-XLA program; subclasses set ``kind`` and ``key`` and implement both halves."""
+class ProxyHalf:
+    """The proxy half of one kind of non-XLA program; subclasses set ``kind`` and ``key`` and implement ``plan``."""
 
     kind: ClassVar[str] = PLUGIN
     key: ClassVar[str] = ""
 
     def plan(self, body: Any, session: SessionView) -> ProgramPlan:
-        """The proxy half: checks the request and says where it runs and what it returns."""
-        raise Unimplemented(f"{self.kind} program {self.key!r} has no proxy half on this server")
+        """Checks the request and says where it runs and what it returns (on the proxy's compile pool)."""
+        raise NotImplementedError
+
+
+class HostHalf:
+    """The host half of one kind of non-XLA program; subclasses set ``kind`` and ``key`` and implement ``run``."""
+
+    kind: ClassVar[str] = PLUGIN
+    key: ClassVar[str] = ""
 
     def run(
         self,
@@ -229,106 +232,96 @@ class ProgramKind:
         results: Sequence[ResultSpec],
         context: HostContext,
     ) -> list:
-        """The host half: one value per entry of ``results`` (this host's parts), from ``args``.
+        """One value per entry of ``results`` (this host's parts), from ``args``.
 
         ``runtime``: the host's ``worker.runtime.LocalRuntime``; ``args``: per argument, this host's
         local pieces of it (jax arrays on its devices);
         ``device_ids``: this host's devices among the plan's ``host_device_ids`` (local ids).
         """
-        raise Unimplemented(f"{self.kind} program {self.key!r} has no host half on this server")
+        raise NotImplementedError
 
 
-_KINDS: dict[tuple[str, str], ProgramKind] = {}
-_LOADED = threading.Lock()
-_loaded = False
+Half = TypeVar("Half", ProxyHalf, HostHalf)
 
 
-def register(program_kind: ProgramKind) -> ProgramKind:
-    """Makes ``program_kind`` serve its (kind, key); called by the kind's module when imported."""
-    where = (program_kind.kind, program_kind.key)
-    if where in _KINDS and type(_KINDS[where]) is not type(program_kind):
-        raise RuntimeError(f"two program kinds for {where}")
-    _KINDS[where] = program_kind
-    return program_kind
+class ProgramHalves(Generic[Half]):
+    """The halves one side serves, by (kind, key): built once from that side's explicit list, then only read."""
 
+    def __init__(self, halves: Iterable[Half]):
+        self._halves: dict[tuple[str, str], Half] = {}
+        for half in halves:
+            where = (half.kind, half.key)
+            if where in self._halves:
+                raise RuntimeError(f"two program halves for {where}")
+            self._halves[where] = half
 
-def kinds() -> dict[tuple[str, str], ProgramKind]:
-    """Every registered kind, the modules of ``KIND_MODULES`` imported first (once per process)."""
-    global _loaded
-    with _LOADED:
-        if not _loaded:
-            for module in KIND_MODULES:
-                importlib.import_module(module)
-            _loaded = True
-    return _KINDS
+    def keys(self, kind: str) -> list[str]:
+        """The keys served for ``kind``, sorted."""
+        return sorted(key for k, key in self._halves if k == kind)
 
+    def lookup(self, kind: str, key: str) -> Half:
+        """The half for (kind, key); INVALID_ARGUMENT naming the keys served otherwise."""
+        found = self._halves.get((kind, key))
+        if found is None:
+            raise self.refusal(kind, f"no handler for {key!r}")
+        return found
 
-def keys(kind: str) -> list[str]:
-    """The keys this server serves for ``kind``, sorted."""
-    return sorted(key for k, key in kinds() if k == kind)
-
-
-def lookup(kind: str, key: str) -> ProgramKind:
-    """The registered kind for (kind, key); INVALID_ARGUMENT naming the known keys otherwise."""
-    found = kinds().get((kind, key))
-    if found is None:
-        raise _refusal(kind, f"no handler for {key!r}")
-    return found
-
-
-def _refusal(kind: str, what: str) -> InvalidRequest:
-    if kind == PLUGIN:
+    def refusal(self, kind: str, what: str) -> InvalidRequest:
+        """A program of ``kind`` refused: ``what`` is wrong; the message lists the keys served."""
+        if kind == PLUGIN:
+            return InvalidRequest(
+                f"Bad PluginProgram: {what}. This server serves plugin programs whose JSON has one top-level key "
+                f"of {self.keys(PLUGIN)}"
+            )
         return InvalidRequest(
-            f"Bad PluginProgram: {what}. This server serves plugin programs whose JSON has one top-level key "
-            f"of {keys(PLUGIN)}"
+            f"Bad CustomCallProgram: {what}. This server serves custom-call programs of the types "
+            f"{self.keys(CUSTOM_CALL)}"
         )
-    return InvalidRequest(
-        f"Bad CustomCallProgram: {what}. This server serves custom-call programs of the types {keys(CUSTOM_CALL)}"
-    )
 
 
-def parse(type_name: str, data: bytes) -> ParsedProgram:
-    """Reads a compile request's program of a non-XLA type; a clear INVALID_ARGUMENT for anything malformed."""
+def parse(type_name: str, data: bytes, served: ProgramHalves) -> ParsedProgram:
+    """Reads a compile request's program of a non-XLA type, of a (kind, key) ``served`` knows; a clear
+    INVALID_ARGUMENT for anything malformed."""
     kind = PROGRAM_TYPES.get(type_name)
     if kind is None:
         raise Unimplemented(f"programs of type {type_name!r} are not supported")
     limit = tuning.MAX_PROGRAM_BYTES.value
     if len(data) > limit:
         allowed = f"more than the {limit / (1 << 20):g} MiB allowed ({tuning.MAX_PROGRAM_BYTES.env_var})"
-        raise _refusal(kind, f"the program is {len(data)} bytes, {allowed}")
+        raise served.refusal(kind, f"the program is {len(data)} bytes, {allowed}")
     if kind == PLUGIN:
-        return _parse_plugin(data)
-    return _parse_custom_call(data)
+        return _parse_plugin(data, served)
+    return _parse_custom_call(data, served)
 
 
-def _parse_plugin(data: bytes) -> ParsedProgram:
+def _parse_plugin(data: bytes, served: ProgramHalves) -> ParsedProgram:
     if not data.startswith(PLUGIN_PREFIX):
-        raise _refusal(PLUGIN, f"the program text must start with {PLUGIN_PREFIX.decode()!r}, followed by JSON")
+        raise served.refusal(PLUGIN, f"the program text must start with {PLUGIN_PREFIX.decode()!r}, followed by JSON")
     try:
         value = json.loads(data[len(PLUGIN_PREFIX) :].decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise _refusal(PLUGIN, f"the program's JSON does not parse ({e})") from None
+        raise served.refusal(PLUGIN, f"the program's JSON does not parse ({e})") from None
     if not isinstance(value, dict) or len(value) != 1:
         shown = sorted(value) if isinstance(value, dict) else type(value).__name__
-        raise _refusal(PLUGIN, f"the program's JSON must be an object with exactly one key, not {shown}")
+        raise served.refusal(PLUGIN, f"the program's JSON must be an object with exactly one key, not {shown}")
     ((key, body),) = value.items()
-    lookup(PLUGIN, key)
+    served.lookup(PLUGIN, key)
     return ParsedProgram(PLUGIN, key, body, data)
 
 
-def _parse_custom_call(data: bytes) -> ParsedProgram:
+def _parse_custom_call(data: bytes, served: ProgramHalves) -> ParsedProgram:
     try:
         program = schema.load().ifrt.CustomCallProgramProto.FromString(data)
     except Exception as e:  # noqa: BLE001 - protobuf's DecodeError and friends
-        raise _refusal(CUSTOM_CALL, f"the program does not parse as a CustomCallProgramProto ({e})") from None
-    lookup(CUSTOM_CALL, program.type)
+        raise served.refusal(CUSTOM_CALL, f"the program does not parse as a CustomCallProgramProto ({e})") from None
+    served.lookup(CUSTOM_CALL, program.type)
     return ParsedProgram(CUSTOM_CALL, program.type, program, data)
 
 
-def plan(parsed: ParsedProgram, session: SessionView) -> ProgramPlan:
+def plan(parsed: ParsedProgram, session: SessionView, served: ProgramHalves[ProxyHalf]) -> ProgramPlan:
     """The proxy half of ``parsed``'s kind; a plugin program's refusal says "Bad PluginProgram" (pathwaysutils' cue)."""
     try:
-        return lookup(parsed.kind, parsed.key).plan(parsed.body, session)
+        return served.lookup(parsed.kind, parsed.key).plan(parsed.body, session)
     except InvalidRequest as error:
         if parsed.kind == PLUGIN and not error.message.startswith("Bad PluginProgram"):
             raise InvalidRequest(f"Bad PluginProgram: {parsed.key}: {error.message}") from None

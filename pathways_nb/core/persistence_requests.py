@@ -17,22 +17,27 @@ A write's dtype is its argument's; a read's comes from ``xla_primitive_type_str`
 are accepted in snake_case and in protobuf JSON's camelCase, and the timeout as an object or as a
 protobuf JSON duration (``"3600s"``), since the request is protobuf JSON on Pathways' side. Both
 sides parse with this module: the proxy to check a request before anything runs, each worker to
-do its part.
+do its part; the proxy sends every host the request and which of its devices each host holds
+(``HostRequest``).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import json
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import ml_dtypes
 import numpy as np
 
 from pathways_nb.core import tuning
-from pathways_nb.protocol.errors import InvalidRequest
+from pathways_nb.core.nonxla import HostContext
+from pathways_nb.protocol.errors import Internal, InvalidRequest
 from pathways_nb.protocol.op_sharding import plain as plain_op_sharding
 from pathways_nb.protocol.op_sharding import read as read_op_sharding
 from pathways_nb.protocol.shardings import IfrtSharding
@@ -86,6 +91,41 @@ class ArrayRequest:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * (self.dtype.itemsize if self.dtype is not None else 0)
+
+    @property
+    def place(self) -> str:
+        """Where the array's files go: its own directory in the checkpoint's (``<location>/<name>``)."""
+        return self.location.rstrip("/") + "/" + self.name
+
+
+@dataclass(frozen=True)
+class HostRequest:
+    """What every host of one execution gets: the client's request, and whose devices are whose."""
+
+    arrays: list[ArrayRequest]
+    # (island, host index) -> that host's devices among the plan's, in the plan's order (the
+    # order in which the host is given its local ids).
+    hosts: dict[tuple[int, int], list[int]]
+
+    def encode(self, key: str, body: Any) -> bytes:
+        hosts = [[island, host, ids] for (island, host), ids in self.hosts.items()]
+        return json.dumps({"key": key, "body": body, "hosts": hosts}).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> HostRequest:
+        message = json.loads(data)
+        hosts = {(island, host): ids for island, host, ids in message["hosts"]}
+        return cls(parse(message["key"], message["body"]), hosts)
+
+    def global_ids(self, context: HostContext, local_ids: Sequence[int]) -> dict[int, int]:
+        """This host's local device ids -> the session's ids for them."""
+        mine = self.hosts.get((context.island, context.host_index), [])
+        if len(mine) != len(local_ids):
+            raise Internal(
+                f"island {context.island} host {context.host_index} was given devices {list(local_ids)}, "
+                f"but the plan gives it {mine}"
+            )
+        return dict(zip(local_ids, mine, strict=True))
 
 
 def parse(key: str, body: object) -> list[ArrayRequest]:

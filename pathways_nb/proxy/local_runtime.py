@@ -22,6 +22,7 @@ from pathways_nb.core.runtime_api import check_sharding, not_in_session
 from pathways_nb.core.storage import StorageRoot, default_root
 from pathways_nb.protocol.shardings import IfrtSharding
 from pathways_nb.rpc import cluster_pb2 as pb
+from pathways_nb.worker.program_kinds import HOST_HALVES
 from pathways_nb.worker.runtime import LocalRuntime, Program
 
 
@@ -155,7 +156,7 @@ class LocalSession:
     def run_program(self, plan: nonxla.ProgramPlan, request: bytes, args: Sequence, output_context: str = "") -> list:
         """The host half, here: this process is the only host, its device ids are the session's."""
         results = [nonxla.ResultSpec(spec.kind, spec.shape, spec.sharding) for spec in plan.outputs]
-        kind = nonxla.lookup(plan.kind, plan.key)
+        kind = HOST_HALVES.lookup(plan.kind, plan.key)
         output = self._output and functools.partial(self._output, self.host.island, self.host.host_index)
         context = dataclasses.replace(self.host, output=output, output_context=output_context)
         return kind.run(request, self.runtime, [[value] for value in args], plan.host_device_ids, results, context)

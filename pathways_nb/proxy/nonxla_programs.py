@@ -1,9 +1,10 @@
 """Compile, metadata and execute of programs that are not XLA (``core.nonxla``), on the proxy.
 
-A compile reads the program, finds its kind and asks the kind's proxy half for a plan, off the
-event loop; the session then holds a ``NonXlaProgram``. Its metadata answers as the stock client
-needs before every Execute, with nothing to describe: no shardings, an UNIMPLEMENTED layouts error
-(as for programs with tokens, so the client compares no counts), no donations, empty memory stats.
+A compile reads the program, finds its kind's proxy half (``program_kinds.PROXY_HALVES``) and
+asks it for a plan, off the event loop; the session then holds a ``NonXlaProgram``. Its metadata
+answers as the stock client needs before every Execute, with nothing to describe: no shardings, an
+UNIMPLEMENTED layouts error (as for programs with tokens, so the client compares no counts), no
+donations, empty memory stats.
 An execute (``executions.execute``, shared with XLA programs) checks its arguments against the
 plan, makes the plan's outputs at once (the same specs every time), and runs the hosts' halves once
 its arguments exist and the session's earlier work on those hosts' devices has finished, off the
@@ -23,6 +24,7 @@ from pathways_nb.core.followers import wait_until_ended
 from pathways_nb.protocol.errors import Code, InvalidRequest, RequestError, as_request_error
 from pathways_nb.proxy import executions
 from pathways_nb.proxy.dispatch import DEFERRED
+from pathways_nb.proxy.program_kinds import PROXY_HALVES
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -170,11 +172,11 @@ def compile_program(session, request, op_id):
     """Reads and plans the program off the event loop, then replies with the executable's handle."""
     if request.host_callbacks:
         raise InvalidRequest("a plugin or custom-call program takes no host callbacks")
-    parsed = nonxla.parse(request.program.type_name, request.program.data)
+    parsed = nonxla.parse(request.program.type_name, request.program.data, PROXY_HALVES)
     view = session_view(session)
 
     def plan() -> nonxla.ProgramPlan:
-        return nonxla.plan(parsed, view)
+        return nonxla.plan(parsed, view, PROXY_HALVES)
 
     def planned(program_plan: nonxla.ProgramPlan | None, error) -> None:
         if error is not None:

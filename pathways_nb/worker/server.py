@@ -24,6 +24,7 @@ from typing import Protocol
 
 import grpc
 
+from pathways_nb.colocated.worker import ColocatedPython
 from pathways_nb.core import keepalive
 from pathways_nb.core.aio_server import BackgroundServer
 from pathways_nb.core.nonxla import HostContext
@@ -33,7 +34,6 @@ from pathways_nb.core.storage import StorageRoot, default_root
 from pathways_nb.protocol.errors import RequestError
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
-from pathways_nb.worker.colocated import ColocatedPython
 from pathways_nb.worker.load import LoadGauge
 from pathways_nb.worker.runtime import LocalRuntime
 from pathways_nb.worker.service import SERVICE_NAME, WorkerService, local_devices

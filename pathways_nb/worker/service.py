@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 
+from pathways_nb.colocated.worker import ColocatedPython
 from pathways_nb.core import shared_memory, tuning
 from pathways_nb.core.aio_server import SERVER_OPTIONS
 from pathways_nb.core.dataflow import Pending, wait_on_loop
@@ -28,7 +29,6 @@ from pathways_nb.core.storage import StorageRoot, default_root
 from pathways_nb.protocol.errors import Unavailable
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
-from pathways_nb.worker.colocated import ColocatedPython
 from pathways_nb.worker.gang import IslandOrder
 from pathways_nb.worker.programs import Programs
 from pathways_nb.worker.runtime import LocalRuntime

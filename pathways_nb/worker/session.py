@@ -42,6 +42,7 @@ from pathways_nb.protocol.errors import (
 )
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.worker.gang import IslandOrder
+from pathways_nb.worker.program_kinds import HOST_HALVES
 from pathways_nb.worker.programs import Programs
 from pathways_nb.worker.runtime import LocalRuntime
 from pathways_nb.worker.share import FairShare
@@ -725,7 +726,7 @@ class WorkerSession:
         """
         if self._host is None:
             raise InvalidRequest("this worker runs no plugin or custom-call programs")
-        kind = nonxla.lookup(command.kind, command.key)
+        kind = HOST_HALVES.lookup(command.kind, command.key)
         args = [[self._record(i) for i in argument.ids] for argument in command.args]
         if len(command.results) != len(command.result_metas):
             raise InvalidRequest(f"{len(command.results)} result ids for {len(command.result_metas)} result specs")

@@ -1,16 +1,10 @@
-"""Colocated Python programs (``jax_colocated_python_v0.0.1`` custom calls): both halves, and the worker's part.
+"""Colocated Python's host half, on a worker: a call handed to the session's executor of this host.
 
-jax's ``colocated_python`` compiles a ``CustomCallProgram`` whose text is cloudpickle of the
-function and its specialization, over colocated CPU devices (docs/colocated_python.md):
-
-- the proxy half (``ColocatedPythonProgram.plan``) checks that the cluster runs colocated Python,
-  that the program's devices are the session's colocated CPU devices, all of one host (each host
-  runs its own executor), and takes its output specs as they are (a first, unspecialized call's
-  specs program returns a string scalar);
-- the host half (``run``) hands the program and this host's argument shards to the session's
-  executor (``worker.executors``), and makes its results arrays of this worker again, on the same
-  colocated CPU devices. Device ids: local on the worker's side, the cluster's on the executor's,
-  as jax's pickled shardings name them.
+The proxy half (``colocated.proxy``) checked the call and sent this host a ``ColocatedCall``; the
+host half (``ColocatedPythonHost.run``) hands the program and this host's argument shards to the
+session's executor (``worker.executors``), and makes its results arrays of this worker again, on
+the same colocated CPU devices. Device ids: local on the worker's side, the cluster's on the
+executor's, as jax's pickled shardings name them.
 """
 
 from __future__ import annotations
@@ -21,64 +15,20 @@ from typing import Any
 
 import numpy as np
 
+from pathways_nb.colocated import OFF, PROGRAM_TYPE
 from pathways_nb.core import colocated_arrays, nonxla
 from pathways_nb.core.security import ClusterCredentials
 from pathways_nb.core.string_arrays import StringArray
-from pathways_nb.protocol import shardings
 from pathways_nb.protocol.errors import FailedPrecondition, InvalidRequest
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.worker.executors import ArrayShards, ColocatedHostLink, ResultShape
 
-PROGRAM_TYPE = "jax_colocated_python_v0.0.1"
-OFF = (
-    "colocated Python is off on this cluster: start it with --colocated_python "
-    "(pathways_nb.LocalCluster(colocated_python=True), pathways-nb up --colocated_python); "
-    "docs/colocated_python.md says what a tenant can do with it"
-)
 
-
-class ColocatedPythonProgram(nonxla.ProgramKind):
-    """``jax.experimental.colocated_python``'s programs, run in the session's executor of one host."""
+class ColocatedPythonHost(nonxla.HostHalf):
+    """Runs a call in this host's executor of the session (``ColocatedPython.run``)."""
 
     kind = nonxla.CUSTOM_CALL
     key = PROGRAM_TYPE
-
-    def plan(self, body: Any, session: nonxla.SessionView) -> nonxla.ProgramPlan:
-        name = body.name or "colocated_python"
-        if not session.colocated_device_ids:
-            raise FailedPrecondition(f"{name}: {OFF}")
-        device_ids = tuple(body.devices.device_ids)
-        unknown = [d for d in device_ids if d not in session.colocated_device_ids]
-        if not device_ids or unknown:
-            raise InvalidRequest(
-                f"{name} runs on devices {list(device_ids)}; colocated Python runs on the session's colocated CPU "
-                f"devices {list(session.colocated_device_ids)} (jax.experimental.colocated_python."
-                "colocated_cpu_devices(jax.devices()))"
-            )
-        if len(set(device_ids)) != len(device_ids):
-            raise InvalidRequest(f"{name} names a device twice: {list(device_ids)}")
-        hosts = [h for h in session.hosts if set(h.colocated_device_ids) & set(device_ids)]
-        if len(hosts) > 1:
-            places = ", ".join(f"island {h.island} host {h.host_index}" for h in hosts)
-            raise InvalidRequest(
-                f"{name} runs on the colocated CPU devices of several hosts ({places}); each host runs the calls "
-                "in its own executor here, so a call's arrays must all be on one host's colocated CPU devices: "
-                "call the function once per host (e.g. one colocated_python_class object per island)"
-            )
-        for index, spec in enumerate(body.input_specs):
-            _spec(spec, device_ids, f"input {index} of {name}")
-        outputs = tuple(_spec(s, device_ids, f"output {index} of {name}") for index, s in enumerate(body.output_specs))
-        versions = session.client_versions
-        call = pb.ColocatedCall(
-            name=name,
-            program=body.serialized_program_text,
-            client_python=versions.get("python", ""),
-            client_jax=versions.get("jax", ""),
-            client_cloudpickle=versions.get("cloudpickle", ""),
-        )
-        return nonxla.ProgramPlan(
-            self.kind, self.key, name, device_ids, outputs, call.SerializeToString(), num_args=len(body.input_specs)
-        )
 
     def run(
         self,
@@ -97,18 +47,6 @@ class ColocatedPythonProgram(nonxla.ProgramKind):
         except Exception as error:  # noqa: BLE001 - protobuf's DecodeError and friends
             raise InvalidRequest(f"a malformed colocated Python call ({error})") from None
         return colocated.run(context, call, args, results)
-
-
-def _spec(spec: Any, device_ids: tuple[int, ...], what: str) -> nonxla.OutputSpec:
-    """An input or output spec of the program, checked: a dtype with a host form, on the program's devices."""
-    colocated_arrays.dtype_of(spec.dtype.kind)
-    sharding = shardings.from_proto(spec.sharding)
-    outside = [d for d in sharding.device_ids if d not in device_ids]
-    if outside:
-        raise InvalidRequest(f"{what} lies on devices {outside}, outside the program's {list(device_ids)}")
-    if any(d < 0 for d in spec.shape.dims):
-        raise InvalidRequest(f"{what} has a negative dimension: {list(spec.shape.dims)}")
-    return nonxla.OutputSpec(spec.dtype.kind, tuple(spec.shape.dims), sharding)
 
 
 class ColocatedPython:
@@ -185,6 +123,3 @@ class ColocatedPython:
 
     def close(self) -> None:
         self.host.close()
-
-
-nonxla.register(ColocatedPythonProgram())
