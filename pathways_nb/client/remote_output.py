@@ -5,7 +5,8 @@ which only its tenant and per-connection secret can read) on a thread, and print
 comes, tagged with where it ran: ``[island 0 host 1] ...``; stdout lines on stdout, the rest (stderr,
 logging records with their level and logger, counts of lines dropped over the bounds) on stderr. In
 a notebook, ``pathways_nb.notebook.cell_output`` prints each line under the cell whose call wrote
-it, and flushes what a cell's calls wrote as the cell ends; elsewhere lines go to ``sys.stdout`` and
+it, and flushes what a cell's calls wrote as the cell ends (the notebook layer gives this module its
+printer, ``print_with``: the client imports no notebook code); elsewhere lines go to ``sys.stdout`` and
 ``sys.stderr`` as they come. Lines come numbered: the follower and a flush never print one twice,
 and a gap in the numbers (lines the proxy no longer held) is reported as dropped lines.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import grpc
@@ -160,6 +161,21 @@ def runs_colocated_python(state: pb.ClusterState) -> bool:
     return any(device.HasField("colocated") for device in state.devices)
 
 
+# What makes a new connection's printer (``print_with``); None: a ``StreamPrinter``.
+_printer: Callable[[RemoteOutput], Printer] | None = None
+
+
+def print_with(printer: Callable[[RemoteOutput], Printer] | None) -> None:
+    """Connections made from now on print their output with ``printer(remote)`` (None: this process's streams).
+
+    Called by the layer that runs the user's code where output belongs elsewhere than the process's
+    streams (``%load_ext pathways_nb`` and the Pathways kernel: under each call's cell), on the user's
+    thread, before it connects.
+    """
+    global _printer
+    _printer = printer
+
+
 def follow(session) -> RemoteOutput | None:
     """Prints ``session``'s output from beside the devices here (in a notebook, under the cell that made each
     call); None where the cluster runs no colocated Python, or is not a pathways-nb cluster."""
@@ -167,14 +183,7 @@ def follow(session) -> RemoteOutput | None:
     if state is None or not runs_colocated_python(state) or not session.secret:
         return None
     remote = RemoteOutput(session.observer, session.tenant, session.secret)
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        get_ipython = None
-    shell = get_ipython() if get_ipython is not None else None
-    if shell is not None and getattr(shell, "kernel", None) is not None:
-        from pathways_nb.notebook.cell_output import CellOutput
-
-        CellOutput(shell, remote)
+    if _printer is not None:
+        remote.printer = _printer(remote)
     remote.start()
     return remote

@@ -9,6 +9,9 @@ has each call's lines under its cell. Lines that come later (a call the cell did
 thread a call started) go out as they arrive with the header of their cell (ipykernel's message
 ``parent``), and a notebook shows them under that cell (JupyterLab's cells keep listening after
 they ran).
+
+``print_under_cells(shell)`` makes the connections made from then on print this way (the ``%pathways``
+magics call it as they load: the Pathways kernel, ``%load_ext pathways_nb``).
 """
 
 from __future__ import annotations
@@ -17,15 +20,23 @@ import collections
 import itertools
 import sys
 
+from pathways_nb.client import remote_output
 from pathways_nb.client.remote_output import RemoteOutput
 
 # The cells whose headers are kept for lines that come late (a context older than these goes to the current cell).
 KEPT_CELLS = 1000
 
 
+def print_under_cells(shell) -> None:
+    """Connections made from now on in ``shell`` print their output under their cells, if it is an ipykernel's
+    (a terminal's IPython keeps the process's streams)."""
+    if getattr(shell, "kernel", None) is not None:
+        remote_output.print_with(lambda remote: CellOutput(shell, remote))
+
+
 class CellOutput:
-    """Prints ``remote``'s lines (it becomes its printer) under the cells of ``shell`` (an ipykernel's) that made
-    the calls."""
+    """Prints ``remote``'s lines (as its printer) under the cells of ``shell`` (an ipykernel's) that made the
+    calls."""
 
     def __init__(self, shell, remote: RemoteOutput):
         self._shell = shell
@@ -33,7 +44,6 @@ class CellOutput:
         self._remote = remote
         self._contexts = (str(number) for number in itertools.count(1))
         self._parents: collections.OrderedDict[str, dict] = collections.OrderedDict()
-        remote.printer = self
         shell.events.register("pre_run_cell", self.cell_started)
         shell.events.register("post_run_cell", self.cell_finished)
         self._next_context()  # the rest of the cell that connects is its own

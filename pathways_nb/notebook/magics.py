@@ -29,6 +29,7 @@ from IPython.display import display
 import pathways_nb
 from pathways_nb.core.command_line import ArgumentParser
 from pathways_nb.errors import PathwaysError
+from pathways_nb.notebook import cell_output
 from pathways_nb.notebook.progress import ActivityMonitor
 
 NOT_CONNECTED = "not connected: run %pathways connect ADDRESS (or %pathways connect local)"
@@ -264,5 +265,6 @@ def load(ipython) -> None:
     """Registers the magics and the progress bars (``%load_ext pathways_nb``)."""
     magics = PathwaysMagics(ipython)
     ipython.register_magics(magics)
+    cell_output.print_under_cells(ipython)
     ipython.events.register("pre_run_cell", magics.monitor.cell_started)
     ipython.events.register("post_run_cell", magics.monitor.cell_finished)
