@@ -76,16 +76,15 @@ class _Watched:
         self.judged_until = 0.0  # time.time(): stalls that ended before were judged (or came before the first check)
         self.counted: dict[str, int] = {}  # stalls_in_callbacks per process at the last check
         self.last: list[pb.LoopStats] | None = None  # read as it stopped
-        self.unread = ""  # why it could not be read as it stopped
 
     def stopping(self) -> None:
         """Reads it one last time, while it still serves."""
         if self._read is None:
             return
         try:
-            self.last = self._read()
+            self.last = _counted(self._read)
         except grpc.RpcError as error:  # a process of it was killed or stopped by the test
-            self.unread = f"{error.code().name}: {error.details()}"
+            _count_unread(self.source, error)
         self._read = None
 
     def judge(self, now: float) -> tuple[list[Stall], list[str]]:
@@ -93,8 +92,9 @@ class _Watched:
         counted but not kept."""
         if self._read is not None:
             try:
-                stats = self._read()
-            except grpc.RpcError:  # a process is down at the moment (the test killed it): judged next time
+                stats = _counted(self._read)
+            except grpc.RpcError as error:  # a process is down at the moment (the test killed it): judged next time
+                _count_unread(self.source, error)
                 return [], []
         else:
             stats = self.last or []
@@ -114,10 +114,31 @@ class _Watched:
         return stalls, unseen
 
 
-_lock = threading.Lock()  # guards the two below: clusters start and stop on the tests' threads and supervisors'
+_lock = threading.Lock()  # guards the state below: clusters start and stop on the tests' threads and others
 _serving: weakref.WeakKeyDictionary[object, _Watched] = weakref.WeakKeyDictionary()
 _stopped: list[_Watched] = []  # read as they stopped, judged at the next check
 _enabled = False
+reads = 0  # how many times a cluster or server was read (what ``summary`` says)
+unread: list[str] = []  # each read that failed: which, and why
+
+
+def _counted(read: Callable[[], list[pb.LoopStats]]) -> list[pb.LoopStats]:
+    global reads
+    with _lock:
+        reads += 1
+    return read()
+
+
+def _count_unread(source: str, error: grpc.RpcError) -> None:
+    with _lock:
+        unread.append(f"{source}: {error.code().name}")
+
+
+def summary() -> str:
+    """How many reads the guard made, and which failed (a process the test had killed or stopped)."""
+    with _lock:
+        failed = f"; {len(unread)} failed (a process down): {', '.join(unread[:5])}" if unread else ""
+        return f"the stall guard read servers' loop watchdogs {reads} times{failed}"
 
 
 def enable() -> None:

@@ -31,3 +31,7 @@ def pytest_sessionfinish(session) -> None:
             reporter.write_sep("=", "after the last test", red=True)
             reporter.write_line(stall_guard.failure(stalls))
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    terminalreporter.write_line(stall_guard.summary())
