@@ -9,6 +9,7 @@ import pytest
 
 from pathways_nb.client import batch_flusher
 from pathways_nb.client.connection import normalize_address
+from pathways_nb.core import tuning
 from pathways_nb.testing import finish, python_script
 
 CLIENTS = Path(__file__).with_name("clients")
@@ -103,4 +104,18 @@ def test_the_stock_client_s_batch_flusher_runs_only_on_idle_cores_and_seldom(pro
         assert slack == str(batch_flusher.TIMER_SLACK_NS) and rate < 1000, out
     else:  # without CAP_SYS_NICE it keeps its 50 µs sleeps
         assert rate > 2000, out
+    assert "result 8.0" in out, out
+
+
+def test_the_batch_flusher_switch_leaves_the_stock_client_s_thread_as_it_made_it(proxy_server):
+    """``PATHWAYS_BATCH_FLUSHER=stock`` (``tuning.BATCH_FLUSHER``): the flusher keeps its policy and its 50 µs
+    sleeps (thousands of wake-ups a second), as the stock client started it."""
+    process = python_script(
+        CLIENTS / "client_threads_at_rest.py", proxy_server.address, env={tuning.BATCH_FLUSHER.env_var: "stock"}
+    )
+    out, err = finish(process, 300)
+    assert process.returncode == 0, err[-3000:]
+    threads = [line.split()[1:] for line in out.splitlines() if line.startswith("thread")]
+    assert len(threads) == 1 and threads[0][1] == "normal", out
+    assert int(threads[0][0]) > 2000 and threads[0][2] != str(batch_flusher.TIMER_SLACK_NS), out
     assert "result 8.0" in out, out

@@ -15,7 +15,9 @@ from collections.abc import Iterator
 import pytest
 
 from pathways_nb.core import loop as server_loop
+from pathways_nb.core import tuning
 from pathways_nb.core.loop import LoopWatchdog
+from pathways_nb.launch.local_cluster import LocalCluster
 from pathways_nb.testing import wait_until
 
 BLOCKED_S = 0.6  # longer than tuning's loop_stall_s (0.25 s)
@@ -23,7 +25,9 @@ BLOCKED_S = 0.6  # longer than tuning's loop_stall_s (0.25 s)
 
 @pytest.fixture(params=["uvloop", "asyncio"])
 def watched(request) -> Iterator[tuple[asyncio.AbstractEventLoop, LoopWatchdog]]:
-    loop = server_loop.new_event_loop() if request.param == "uvloop" else asyncio.new_event_loop()
+    with tuning.EVENT_LOOP.overridden(request.param):
+        loop = server_loop.new_event_loop()
+    assert server_loop.loop_kind(loop) == request.param
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     watchdog = LoopWatchdog(loop, f"test-{request.param}")
@@ -56,3 +60,23 @@ def test_a_callback_that_blocks_is_seen_and_counted_with_its_frames(watched):
     stats = wait_until(watchdog.stats, 10, "the stall recorded", holds=lambda s: s.stalls_in_callbacks >= 1)
     (stall,) = [s for s in stats.longest if s.in_callback]
     assert stall.seconds >= BLOCKED_S - 0.1 and "blocks_the_loop" in stall.where, stall
+
+
+@pytest.mark.parametrize(("variable", "kind"), [(None, "uvloop"), ("asyncio", "asyncio")])
+def test_every_server_runs_the_event_loop_its_environment_names(variable, kind, monkeypatch):
+    """``PATHWAYS_EVENT_LOOP`` (``tuning.EVENT_LOOP``) chooses each server's loop, uvloop unless it says asyncio:
+    every process of a cluster started with it says which loop its watchdog watches."""
+    if variable is None:
+        monkeypatch.delenv(tuning.EVENT_LOOP.env_var, raising=False)
+    else:
+        monkeypatch.setenv(tuning.EVENT_LOOP.env_var, variable)
+    with LocalCluster(islands=1, devices_per_host=1) as cluster:
+        loops = {stats.process: stats.event_loop for stats in cluster.loop_stats()}
+    assert len(loops) == 3 and set(loops.values()) == {kind}, loops  # the resource manager, the proxy, the worker
+
+
+def test_a_switch_refuses_a_word_it_does_not_know(monkeypatch):
+    monkeypatch.setenv(tuning.EVENT_LOOP.env_var, "tokio")
+    unread = tuning.Setting(tuning.EVENT_LOOP.name, "uvloop", "", tuning.EVENT_LOOP.choices)  # (not read yet)
+    with pytest.raises(ValueError, match="PATHWAYS_EVENT_LOOP='tokio' is not one of uvloop, asyncio"):
+        _ = unread.value

@@ -17,14 +17,19 @@ beside the devices (per 3 ms step, 0.53 ms of the client's CPU before, 0.18 ms
 after). Nothing waits on it: every other request the client sends flushes the batch first, so
 a deletion waits at most until the next request or ~2 ms. It is found by what
 it does (a thread the connection started that wakes thousands of times a
-second), not by name: the client's threads have none.
+second), not by name: the client's threads have none. ``PATHWAYS_BATCH_FLUSHER=stock``
+(``tuning.BATCH_FLUSHER``) leaves it as the stock client made it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
+from collections.abc import Iterator
+
+from pathways_nb.core import tuning
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -34,6 +39,18 @@ BUSY_WAKEUPS_PER_S = 2000
 WATCH_S = 0.05
 # How late the flusher's 50 µs sleeps may end (where the process may set it).
 TIMER_SLACK_NS = 2_000_000
+
+
+@contextlib.contextmanager
+def demoting_new_flusher() -> Iterator[None]:
+    """Around the stock client's start: demotes the busy thread it started (``demote_busy_new_threads``),
+    unless ``tuning.BATCH_FLUSHER`` says to leave it alone."""
+    if tuning.BATCH_FLUSHER.value != "idle":
+        yield
+        return
+    before = thread_ids()
+    yield
+    demote_busy_new_threads(before)
 
 
 def thread_ids() -> set[int]:

@@ -99,10 +99,8 @@ def make_client():
     options.initialization_data = initialization_data
     # No on_disconnect callback: the client calls it from its destructor, which at interpreter
     # exit runs after Python can no longer be entered, and the process aborts.
-    threads_before = batch_flusher.thread_ids()
-    client = ifrt_proxy.get_client(target, options)
-    batch_flusher.demote_busy_new_threads(threads_before)
-    return client
+    with batch_flusher.demoting_new_flusher():
+        return ifrt_proxy.get_client(target, options)
 
 
 def _refuse_a_server_of_this_process(target: str) -> None:

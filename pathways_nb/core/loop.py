@@ -53,7 +53,8 @@ def _depth(frame) -> int:
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
-    """A new loop for a server to run on its own thread: uvloop's (libuv), not asyncio's own.
+    """A new loop for a server to run on its own thread: uvloop's (libuv), unless ``PATHWAYS_EVENT_LOOP=asyncio``
+    (``tuning.EVENT_LOOP``) asks for asyncio's own.
 
     A server's loop mostly turns over gRPC's completions and its own timers, a few callbacks each,
     and uvloop schedules them in C where asyncio does it in Python. Measured on 2 cores (issue 35,
@@ -62,7 +63,14 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     chained tiny programs cost its loop the same either way (243-249 µs each): there gRPC's own work
     is nearly all of it.
     """
+    if tuning.EVENT_LOOP.value == "asyncio":
+        return asyncio.new_event_loop()
     return uvloop.new_event_loop()
+
+
+def loop_kind(loop: asyncio.AbstractEventLoop) -> str:
+    """Which event loop ``loop`` is, as ``tuning.EVENT_LOOP`` names them: "uvloop" or "asyncio"."""
+    return "uvloop" if isinstance(loop, uvloop.Loop) else "asyncio"
 
 
 def on_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:
@@ -212,6 +220,7 @@ class LoopWatchdog:
             longest = sorted(self._longest, reverse=True)
             stats = pb.LoopStats(
                 process=self.process,
+                event_loop=loop_kind(self._loop),
                 watched_s=time.monotonic() - self._started,
                 stalls=self._stalls,
                 stalls_in_callbacks=self._in_callbacks,

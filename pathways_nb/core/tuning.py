@@ -1,13 +1,14 @@
 """Every tuning constant of pathways-nb, in one place, each with the environment variable that sets it.
 
 Sizes, delays and time-outs that a server or the client picks are declared here and nowhere else,
-so that an operator finds them all in one table (docs/api.md, "Tuning", which tests/test_docs.py
-checks against this registry) and sets any of them the same way: ``PATHWAYS_<NAME>`` in the
-environment of the process that uses it (a launcher's children inherit its environment). A value
-is read once, at its first use; a variable that does not parse as the setting's type stops the
-process with an error that names it. Read a setting with ``.value`` (``bool(setting)`` is refused:
-it would always be true). Flags that choose a cluster's shape or a session's limits stay flags of
-their command (docs/cli.md); these are the knobs behind them.
+and so are the switches between two ways of doing one thing (which event loop the servers run), so
+that an operator finds them all in one table (docs/api.md, "Tuning", which tests/test_docs.py checks
+against this registry) and sets any of them the same way: ``PATHWAYS_<NAME>`` in the environment of
+the process that uses it (a launcher's children inherit its environment). A value is read once, at
+its first use; a variable that does not parse as the setting's type (or, for a switch, is not one of
+its choices) stops the process with an error that names it. Read a setting with ``.value``
+(``bool(setting)`` is refused: it would always be true). Flags that choose a cluster's shape or a
+session's limits stay flags of their command (docs/cli.md); these are the knobs behind them.
 """
 
 from __future__ import annotations
@@ -18,18 +19,20 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-T = TypeVar("T", int, float)
+T = TypeVar("T", int, float, str)
 
 _PREFIX = "PATHWAYS_"
 
 
 @dataclass(frozen=True)
 class Setting(Generic[T]):
-    """One tuning constant: its name, default and what it is for."""
+    """One tuning constant: its name, default and what it is for; a switch (a ``str`` default) names its
+    ``choices``."""
 
     name: str
     default: T
     help: str
+    choices: tuple[str, ...] = ()
     _cached: list = field(default_factory=list, repr=False, compare=False)
 
     @property
@@ -48,6 +51,13 @@ class Setting(Generic[T]):
         if text is None or not text.strip():
             return self.default
         kind = type(self.default)
+        if kind is str:
+            if text.strip() not in self.choices:
+                raise ValueError(
+                    f"{self.env_var}={text!r} is not one of {', '.join(self.choices)}; unset it for its default, "
+                    f"{self.default}"
+                )
+            return text.strip()
         try:
             value = kind(text.strip()) if kind is float else int(text.strip(), 0)
         except ValueError:
@@ -76,10 +86,12 @@ class Setting(Generic[T]):
 SETTINGS: dict[str, Setting] = {}
 
 
-def _define(name: str, default: T, help: str) -> Setting[T]:
+def _define(name: str, default: T, help: str, choices: tuple[str, ...] = ()) -> Setting[T]:
     if name in SETTINGS:
         raise ValueError(f"the tuning setting {name} is defined twice")
-    setting = Setting(name, default, help)
+    if isinstance(default, str) and default not in choices:
+        raise ValueError(f"the switch {name}'s default, {default}, is not one of its choices {choices}")
+    setting = Setting(name, default, help, choices)
     SETTINGS[name] = setting
     return setting
 
@@ -320,4 +332,24 @@ LOOP_STALL_S = _define(
     "loop_stall_s",
     0.25,
     "an event loop that has not turned for this long is stalled: the watchdog logs where it is and counts it",
+)
+
+# Measured in docs/performance.md (issue 35): uvloop's loop costs the proxy's and the worker's loop threads
+# less per step. asyncio's is there to compare with, and to rule uvloop out when a loop misbehaves.
+EVENT_LOOP = _define(
+    "event_loop",
+    "uvloop",
+    "each server's event loop: uvloop (libuv's, which schedules callbacks in C) or asyncio (the standard library's)",
+    choices=("uvloop", "asyncio"),
+)
+
+# -- the client ------------------------------------------------------------------------------------------
+
+# client/batch_flusher.py: the stock client's flusher wakes every 50 µs (13% of a core) for as long as it lives.
+BATCH_FLUSHER = _define(
+    "batch_flusher",
+    "idle",
+    "idle: the stock client's thread that sends batched deletions runs only on otherwise idle cores (SCHED_IDLE; "
+    "with CAP_SYS_NICE also 2 ms of timer slack); stock: it is left as the stock client made it",
+    choices=("idle", "stock"),
 )
