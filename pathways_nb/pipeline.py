@@ -202,6 +202,20 @@ class Pipeline:
         labels = None if targets is None else self._pieces(targets, self.shardings[-1])
         return _Step(self, params, inputs, labels).run()
 
+    def held_bytes(self, params: Sequence[Any], batch: Any) -> list[int]:
+        """The most bytes of residuals each stage holds at once under this schedule (shapes only: its peak
+        number of live microbatches times what one microbatch's forward keeps for the backward; the last
+        stage's forward and backward are one program, which keeps nothing between programs)."""
+        x = _microbatch_shape(batch, self.microbatches, "batch")
+        held = []
+        for s, (programs, p) in enumerate(zip(self._programs[:-1], params, strict=False)):
+            y, residuals = jax.eval_shape(programs.forward, p, x)
+            held.append(
+                live_activations(self.plans[s]) * sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(residuals))
+            )
+            x = y
+        return [*held, 0]
+
     def _pieces(self, tree: Any, sharding: Sharding) -> list[Any]:
         """A batch as microbatches on ``sharding``: one transfer and one program, not one per microbatch."""
         pieces = self._split(jax.device_put(tree, _replicated(sharding)))
