@@ -359,24 +359,7 @@ def _replicated_job(
     pod_spec["containers"] = [container]
     pod_spec["volumes"] = [{"name": "token", "secret": {"secretName": d.token_secret_name, "defaultMode": 0o400}}]
     if colocated_host:
-        shared = [
-            {"name": "colocated", "mountPath": COLOCATED_DIRECTORY},
-            {"name": "shm", "mountPath": "/dev/shm"},
-        ]
-        container["volumeMounts"].extend(shared)
-        pod_spec["containers"].append(
-            {
-                "name": "colocated-host",
-                "image": d.image,
-                "imagePullPolicy": "IfNotPresent",
-                "command": ["pathways-nb"],
-                "args": ["colocated-host", f"--socket={COLOCATED_SOCKET}", f"--token_file={TOKEN_FILE}"],
-                "resources": {"requests": dict(requests)},
-                "volumeMounts": [{"name": "token", "mountPath": TOKEN_DIRECTORY, "readOnly": True}, *shared],
-            }
-        )
-        pod_spec["volumes"].append({"name": "colocated", "emptyDir": {}})
-        pod_spec["volumes"].append({"name": "shm", "emptyDir": {"medium": "Memory"}})
+        _add_colocated_host(d, pod_spec, requests)
     job_metadata: dict[str, Any] = {"labels": _labels(d, name)}
     if job_annotations:
         job_metadata["annotations"] = job_annotations
@@ -395,6 +378,29 @@ def _replicated_job(
         },
     }
     return replicated_job
+
+
+def _add_colocated_host(d: Deployment, pod_spec: dict[str, Any], requests: dict[str, str]) -> None:
+    """Puts ``pathways-nb colocated-host`` beside the pod's server (its first container): a sidecar that shares
+    the socket's directory and ``/dev/shm`` with it."""
+    shared = [
+        {"name": "colocated", "mountPath": COLOCATED_DIRECTORY},
+        {"name": "shm", "mountPath": "/dev/shm"},
+    ]
+    pod_spec["containers"][0]["volumeMounts"].extend(shared)
+    pod_spec["containers"].append(
+        {
+            "name": "colocated-host",
+            "image": d.image,
+            "imagePullPolicy": "IfNotPresent",
+            "command": ["pathways-nb"],
+            "args": ["colocated-host", f"--socket={COLOCATED_SOCKET}", f"--token_file={TOKEN_FILE}"],
+            "resources": {"requests": dict(requests)},
+            "volumeMounts": [{"name": "token", "mountPath": TOKEN_DIRECTORY, "readOnly": True}, *shared],
+        }
+    )
+    pod_spec["volumes"].append({"name": "colocated", "emptyDir": {}})
+    pod_spec["volumes"].append({"name": "shm", "emptyDir": {"medium": "Memory"}})
 
 
 # -- files -----------------------------------------------------------------------------------

@@ -76,6 +76,23 @@ class LocalCluster:
     ``nodes`` (default: this machine for everything) places the processes on other machines: the
     resource manager and the proxy on ``nodes[0]``, the worker of island ``i`` host ``h`` on
     ``nodes[i * hosts_per_island + h]`` (``launch.slurm.Allocation.nodes``: a Slurm allocation's).
+
+    ``storage_root``: where the workers and the proxy write profiles and checkpoints
+    (``pathways_nb.core.storage``); default ``storage/`` in the cluster's own directory, which is kept after
+    ``close()`` if anything was written there. ``worker_timeout_s``: within how long a worker that stopped
+    answering (``SIGSTOP``) is found dead; a stall of less than five sixths of it is never a death.
+    ``suspend_idle_after_s``, ``suspend_idle_always``, ``priority_ceilings``: the resource manager's policy
+    on sessions (its ``--suspend_idle_after``, ``--suspend_idle_always`` and ``--priority_ceiling``;
+    docs/cluster.md). ``suspend_memory_budget``: the bytes of suspended sessions' arrays each worker keeps
+    in memory (the rest go to files under the storage root; None: no limit). ``log_level``: its processes'
+    (their ``--log_level``; default WARNING). ``keep_logs``: whether ``close()`` leaves their logs
+    (``logs/`` in the cluster's directory); default: only those of a failed run (see ``failures``).
+    ``directory``: the cluster's own directory (default: a new temporary one, removed at ``close()`` unless
+    its storage or its logs are kept); one given is left in place. ``on_end(why)``: called (from a
+    supervising thread) if the cluster's machines are gone for good (its Slurm job ended); nothing is
+    restarted then, and ``ended`` says why. ``tls``: the resource manager and the workers serve TLS, and the
+    workers, the proxy and this launcher call them over it (for clusters whose traffic crosses a network;
+    the proxy's own port stays plaintext).
     """
 
     def __init__(
@@ -102,22 +119,6 @@ class LocalCluster:
         on_end: Callable[[str], None] | None = None,
         tls: TlsFiles | None = None,
     ):
-        """``storage_root``: where the workers and the proxy write profiles and checkpoints
-        (``pathways_nb.core.storage``); default ``storage/`` in the cluster's own directory, which is
-        kept after ``close()`` if anything was written there. ``worker_timeout_s``: within how long a
-        worker that stopped answering (``SIGSTOP``) is found dead; a stall of less than five sixths of it
-        is never a death. ``suspend_idle_after_s``, ``suspend_idle_always``, ``priority_ceilings``: the
-        resource manager's policy on sessions (its ``--suspend_idle_after``, ``--suspend_idle_always`` and
-        ``--priority_ceiling``; docs/cluster.md). ``suspend_memory_budget``: the bytes of suspended sessions'
-        arrays each worker keeps in memory (the rest go to files under the storage root; None: no limit).
-        ``log_level``: its processes' (their ``--log_level``;
-        default WARNING). ``keep_logs``: whether ``close()`` leaves their logs (``logs/`` in the cluster's
-        directory); default: only those of a failed run (see ``failures``). ``directory``: the cluster's own directory
-        (default: a new temporary one, removed at ``close()`` unless its storage or its logs are kept); one
-        given is left in place. ``on_end(why)``: called (from a supervising thread) if the cluster's machines
-        are gone for good (its Slurm job ended); nothing is restarted then, and ``ended`` says why. ``tls``:
-        the resource manager and the workers serve TLS, and the workers, the proxy and this launcher call them
-        over it (for clusters whose traffic crosses a network; the proxy's own port stays plaintext)."""
         self.spec = ClusterSpec(islands, hosts_per_island, devices_per_host, platform)
         self.spec.check()
         Liveness.within(worker_timeout_s)  # one the resource manager would refuse fails here, before any process
