@@ -153,6 +153,19 @@ def test_a_staged_download_counts_from_the_start_and_lands_on_the_loop_not_on_th
     asyncio.run(test())
 
 
+def test_a_lookup_that_comes_after_the_read_ended_but_before_the_loop_took_it_waits_for_the_loop():
+    @on_loop
+    async def test(buffers, quota):
+        reading = buffers.stage(6, buffers.reserve(4, "reading array 6"))
+        on_another_thread(lambda: reading.resolve(memoryview(b"\x06" * 4)))
+        landed = buffers.ready(6)
+        assert landed is not None and not landed.done
+        await wait_on_loop(landed)
+        assert bytes(buffers.read(6)) == b"\x06" * 4
+
+    asyncio.run(test())
+
+
 def test_a_download_read_on_the_loop_itself_is_there_at_once():
     @on_loop
     async def test(buffers, quota):

@@ -63,9 +63,8 @@ class HostBuffers:
         # handle -> (bytes, how many bytes of the quota they hold)
         self._stored: dict[int, tuple[memoryview, int]] = {}
         self._waiting: dict[int, Pending] = {}
-        # Downloads staged and still being read: handle -> (done once the store has the bytes or the
-        # error, for the lookups that wait; the bytes it holds of the quota).
-        self._reading: dict[int, tuple[Pending, int]] = {}
+        # Downloads staged and still being read.
+        self._reading: dict[int, _Staged] = {}
         # Buffers that could not be kept (an upload over the quota, a failed read), until taken or deleted.
         self._failed: dict[int, RequestError] = {}
         self._closed_reason: str | None = None
@@ -177,33 +176,36 @@ class HostBuffers:
             if self._closed_reason is not None:
                 raise Unavailable(self._closed_reason)
             raise InvalidRequest(f"host buffer {handle} is already in use; handles are used once")
-        reading, landed = Pending(), Pending()
-        self._reading[handle] = (landed, reserved)
-        reading.on_done(lambda data, error: call_on(self._loop, self._read_done, handle, landed, data, error))
+        reading, staged = Pending(), _Staged(reserved)
+        self._reading[handle] = staged
+        reading.on_done(lambda data, error: call_on(self._loop, self._read_done, handle, staged, data, error))
         return reading
 
     def _known(self, handle: int) -> bool:
         return handle in self._stored or handle in self._reading or handle in self._failed
 
-    def _read_done(self, handle: int, landed: Pending, data, error: BaseException | None) -> None:
-        entry = self._reading.get(handle)
-        if entry is None or entry[0] is not landed:
+    def _read_done(self, handle: int, staged: _Staged, data, error: BaseException | None) -> None:
+        if self._reading.get(handle) is not staged:
             return  # deleted (or the session closed) meanwhile: its bytes were given back then
         del self._reading[handle]
         if error is None:
-            self._stored[handle] = (data, entry[1])
+            self._stored[handle] = (data, staged.reserved)
         else:
             self._failed[handle] = error if isinstance(error, RequestError) else DataLoss(str(error))
-            self.quota.give(entry[1])
-        landed.resolve(None)
+            self.quota.give(staged.reserved)
+        staged.wake()
 
     def ready(self, handle: int) -> Pending | None:
         """What a lookup of a staged download waits for: done once its bytes (or its error) are stored.
 
         None if there is nothing to wait for (stored, failed, or unknown: ``read`` says which).
         """
-        entry = self._reading.get(handle)
-        return entry[0] if entry is not None else None
+        staged = self._reading.get(handle)
+        if staged is None:
+            return None
+        if staged.landed is None:
+            staged.landed = Pending()
+        return staged.landed
 
     def take(self, handle: int) -> Pending:
         """The buffer under ``handle``, removed from the store, now or once it is uploaded."""
@@ -250,11 +252,11 @@ class HostBuffers:
         failed = self._failed.pop(handle, None)
         if stored is None and reading is None and failed is None:
             raise NotFound(f"no host buffer {handle} in this session")
-        for entry in (stored, reading):
-            if entry is not None:
-                self.quota.give(entry[1])
+        if stored is not None:
+            self.quota.give(stored[1])
         if reading is not None:
-            reading[0].resolve(None)  # a lookup that waited for it finds it gone
+            self.quota.give(reading.reserved)
+            reading.wake()  # a lookup that waited for it finds it gone
 
     def close(self, reason: str) -> None:
         """Drops every buffer and fails every request still waiting for one."""
@@ -263,9 +265,12 @@ class HostBuffers:
         stored, self._stored = self._stored, {}
         reading, self._reading = self._reading, {}
         self._failed.clear()
-        self.quota.give(sum(reserved for _data, reserved in [*stored.values(), *reading.values()]))
-        for pending in [*waiting.values(), *(landed for landed, _reserved in reading.values())]:
+        self.quota.give(sum(reserved for _data, reserved in stored.values()))
+        self.quota.give(sum(staged.reserved for staged in reading.values()))
+        for pending in waiting.values():
             pending.fail(Unavailable(reason))
+        for staged in reading.values():
+            staged.wake(Unavailable(reason))
         if self._shared_directory is not None:
             # A client killed mid-upload leaves files nobody reads: gone with its directory.
             shared_memory.reap_stale()
@@ -281,6 +286,25 @@ class HostBuffers:
                 "Retry the transfer, or raise the server's --host_buffer_timeout"
             )
         )
+
+
+class _Staged:
+    """A download still being read: the bytes it holds of the quota, and what lookups wait for (made when asked)."""
+
+    __slots__ = ("landed", "reserved")
+
+    def __init__(self, reserved: int):
+        self.reserved = reserved
+        self.landed: Pending | None = None
+
+    def wake(self, error: RequestError | None = None) -> None:
+        """Wakes the lookups that wait: the store has the bytes or the error, or no longer the buffer."""
+        if self.landed is None:
+            return
+        if error is None:
+            self.landed.resolve(None)
+        else:
+            self.landed.fail(error)
 
 
 def _text(value) -> str:
