@@ -3,7 +3,11 @@ and says which process, how long and where; the test after it, on the same serve
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+
+from pathways_nb.rpc import cluster_pb2 as pb
+from pathways_nb.testing import stall_guard
 
 HOLDS_THE_LOOP = Path(__file__).parent / "data" / "holds_the_loop"
 
@@ -44,3 +48,55 @@ def test_a_test_whose_server_held_its_loop_fails_naming_the_process_the_length_a
             "*sitecustomize.py*in holds_the_loop*",
         ]
     )
+
+
+BLOCKED = """  File "/srv/pathways_nb/proxy/session.py", line 298, in after
+    run_after(inputs, work, self.on_loop, outputs, on_error)
+  File "/usr/lib/python3.11/threading.py", line 331, in wait
+    gotit = waiter.acquire(True, timeout)"""
+ENTERING = """  File "/srv/pathways_nb/core/dataflow.py", line 394, in run_after
+    when_all([record.pending for record in inputs], lambda error: schedule(lambda: run_later(error)))
+  File "/srv/pathways_nb/core/dataflow.py", line 112, in when_all
+    def when_all(pendings: Sequence[Pending], callback: Callable[[BaseException | None], None]) -> None:"""
+
+
+def _stats(process: str, counted: int, *stalls: tuple[float, float, bool, str]) -> pb.LoopStats:
+    stats = pb.LoopStats(process=process, stalls_in_callbacks=counted)
+    for seconds, ended, in_callback, where in stalls:
+        stats.longest.add(seconds=seconds, ended=ended, in_callback=in_callback, where=where)
+    return stats
+
+
+def test_each_stall_is_judged_once_and_only_a_callback_that_blocks_fails():
+    """A blocked callback over 0.5 s fails the check after it and no later one; one found entering a function (the
+    GIL's or a CPU's wait), one shorter, or a wait outside callbacks does not fail."""
+    now = time.time()
+    read = [[_stats("proxy", 1, (0.6, now - 5, True, BLOCKED), (2.0, now - 6, False, "(selector)"))]]
+    watched = stall_guard.Watched("a cluster", lambda: read[-1])
+    (stall,), doubts = watched.judge(now)
+    assert (stall.process, stall.seconds, stall.where) == ("proxy", 0.6, BLOCKED) and not doubts
+    assert "proxy (a cluster): one callback held the loop for 0.60 s" in str(stall)
+    assert watched.judge(now + 1) == ([], [])  # judged already
+    read.append(
+        [
+            _stats(
+                "proxy",
+                3,
+                (0.6, now - 5, True, BLOCKED),
+                (1.2, now + 2, True, ENTERING),
+                (0.4, now + 2, True, BLOCKED),
+                (2.0, now - 6, False, "(selector)"),
+            )
+        ]
+    )
+    stalls, (doubt,) = watched.judge(now + 3)
+    assert not stalls and "held the loop for 1.20 s" in doubt and "waiting for the GIL or a CPU" in doubt
+
+
+def test_a_callback_stall_counted_but_not_kept_is_a_doubt_not_a_failure():
+    """Eight longer stalls kept: a ninth in a callback is counted, its length unknown."""
+    now = time.time()
+    kept = [(1.0 + i, now - 60, False, "(selector)") for i in range(8)]
+    watched = stall_guard.Watched("a cluster", lambda: [_stats("worker island0-host0", 1, *kept)])
+    stalls, (doubt,) = watched.judge(now)
+    assert not stalls and "worker island0-host0 (a cluster)" in doubt and "how long is unknown" in doubt

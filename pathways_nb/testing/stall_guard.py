@@ -9,9 +9,14 @@ stopped was read as it stopped. Each ``check()`` returns the stalls that ended s
 so the servers that outlive a test (the session's shared ones) are judged over each test alone.
 
 A stall while the loop waited for a CPU (a loaded machine) is counted apart by the watchdog and never
-fails. The watchdog keeps the 8 longest stalls of each process: an over-long callback that ended while 8
-longer stalls were kept is counted (``stalls_in_callbacks``) but not kept, and is reported as a
-``StallUnseen`` warning rather than a failure, since its length is unknown.
+fails. Two kinds of stall in a callback are ``StallNotJudged`` warnings rather than failures:
+
+- one whose loop thread was found entering a Python function (its innermost frame on the ``def`` line):
+  CPython's thread waits there for the GIL, which another thread holds or the machine gives no CPU to run
+  and hand over; a callback that blocks is found inside the call that blocks. (The watchdog counts it as in
+  a callback; it would need the thread's and the process's CPU time over the stall to say which.)
+- one the watchdog counted (``stalls_in_callbacks``) but did not keep: it keeps each process's 8 longest
+  stalls, so how long this one was is unknown.
 """
 
 from __future__ import annotations
@@ -41,6 +46,13 @@ class Stall:
     ended: float  # time.time()
     where: str  # the loop thread's innermost frames during the stall
 
+    @property
+    def entering_a_function(self) -> bool:
+        """Whether the loop's thread was found on a function's ``def`` line: waiting for the GIL (or for a CPU to
+        take it with), not in a call that blocks."""
+        innermost = self.where.rstrip().splitlines()[-1:]
+        return bool(innermost) and innermost[0].strip().startswith(("def ", "async def "))
+
     def __str__(self) -> str:
         ended = datetime.datetime.fromtimestamp(self.ended).strftime("%H:%M:%S.%f")[:-3]
         where = "\n".join(f"    {line}" for line in self.where.splitlines())
@@ -50,8 +62,9 @@ class Stall:
         )
 
 
-class StallUnseen(UserWarning):
-    """A callback stall the watchdog counted but did not keep: its length is unknown."""
+class StallNotJudged(UserWarning):
+    """A callback stall the guard cannot blame on the callback: the loop's thread waited for the GIL or a CPU, or
+    the watchdog did not keep it (its length is unknown)."""
 
 
 def callback_stalls(
@@ -67,7 +80,7 @@ def callback_stalls(
     ]
 
 
-class _Watched:
+class Watched:
     """A cluster or server the guard reads: how, up to when it was judged, and what it said as it stopped."""
 
     def __init__(self, source: str, read: Callable[[], list[pb.LoopStats]]):
@@ -88,8 +101,7 @@ class _Watched:
         self._read = None
 
     def judge(self, now: float) -> tuple[list[Stall], list[str]]:
-        """The stalls over the limit that ended since the last judgement, and the processes with a callback stall
-        counted but not kept."""
+        """The stalls over the limit that ended since the last judgement, and what it could not judge."""
         if self._read is not None:
             try:
                 stats = _counted(self._read)
@@ -102,21 +114,24 @@ class _Watched:
             Stall(self.source, process, stall.seconds, stall.ended, stall.where)
             for process, stall in callback_stalls(stats, LONGEST_CALLBACK_S, self.judged_until)
         ]
-        unseen = []
+        doubts = [f"{stall} (waiting for the GIL or a CPU)" for stall in stalls if stall.entering_a_function]
         for process in stats:
             before = self.counted.get(process.process, 0)
             kept = sum(1 for s in process.longest if s.in_callback and s.ended > self.judged_until)
             smallest_kept = min((s.seconds for s in process.longest), default=0.0)
             if process.stalls_in_callbacks - before > kept and smallest_kept > LONGEST_CALLBACK_S:
-                unseen.append(process.process)
+                doubts.append(
+                    f"{process.process} ({self.source}): a callback held the loop for more than 0.25 s, and the "
+                    "watchdog kept longer stalls only: how long is unknown"
+                )
             self.counted[process.process] = process.stalls_in_callbacks
         self.judged_until = now
-        return stalls, unseen
+        return [stall for stall in stalls if not stall.entering_a_function], doubts
 
 
 _lock = threading.Lock()  # guards the state below: clusters start and stop on the tests' threads and others
-_serving: weakref.WeakKeyDictionary[object, _Watched] = weakref.WeakKeyDictionary()
-_stopped: list[_Watched] = []  # read as they stopped, judged at the next check
+_serving: weakref.WeakKeyDictionary[object, Watched] = weakref.WeakKeyDictionary()
+_stopped: list[Watched] = []  # read as they stopped, judged at the next check
 _enabled = False
 reads = 0  # how many times a cluster or server was read (what ``summary`` says)
 unread: list[str] = []  # each read that failed: which, and why
@@ -157,7 +172,7 @@ def watch(owner: object, source: str, read: Callable[[], list[pb.LoopStats]]) ->
     """Reads ``read()`` at each check while ``owner`` serves (nothing unless ``enable()`` ran)."""
     if _enabled:
         with _lock:
-            _serving[owner] = _Watched(source, read)
+            _serving[owner] = Watched(source, read)
 
 
 def stopping(owner: object) -> None:
@@ -190,22 +205,17 @@ def _cluster_changed(cluster) -> None:
 
 def check() -> list[Stall]:
     """The callback stalls over ``LONGEST_CALLBACK_S`` that ended since the last check, of everything registered
-    (each serving one read now); a ``StallUnseen`` warning for stalls counted but not kept."""
+    (each serving one read now); a ``StallNotJudged`` warning for each it cannot blame on a callback."""
     now = time.time()
     with _lock:
         watched = [*_serving.values(), *_stopped]
         _stopped.clear()
     stalls: list[Stall] = []
     for one in watched:
-        found, unseen = one.judge(now)
+        found, doubts = one.judge(now)
         stalls += found
-        for process in unseen:
-            warnings.warn(
-                f"{process} ({one.source}): a callback held the loop for more than 0.25 s, and the watchdog kept "
-                "longer stalls only: how long is unknown",
-                StallUnseen,
-                stacklevel=2,
-            )
+        for doubt in doubts:
+            warnings.warn(doubt, StallNotJudged, stacklevel=2)
     return stalls
 
 
