@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
+
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.testing import stall_guard
 
@@ -46,6 +48,50 @@ def test_a_test_whose_server_held_its_loop_fails_naming_the_process_the_length_a
             "*proxy (pathways-nb proxy at grpc://127.0.0.1:*): one callback held the loop for 0.[789]* s, until *;"
             " the loop was in:",
             "*sitecustomize.py*in holds_the_loop*",
+        ]
+    )
+
+
+AFTER_THE_LAST_TEST = f"""
+import os
+
+import pytest
+
+from pathways_nb import testing
+from pathways_nb.core.security import ClusterCredentials
+from pathways_nb.launch import local_cluster
+
+
+@pytest.fixture(scope="module")
+def proxy_held_later():
+    os.environ.update(PYTHONPATH={str(HOLDS_THE_LOOP)!r}, PATHWAYS_TEST_HOLD_LOOP_AFTER_S="5")
+    with testing.proxy_process(1) as server:
+        yield server
+        testing.wait_until(
+            lambda: local_cluster.loop_stats(server.hostport, ClusterCredentials()),
+            60,
+            "the proxy's loop held in a callback",
+            holds=lambda stats: stats.stalls_in_callbacks >= 1,
+        )
+
+
+def test_before_the_stall(proxy_held_later):
+    pass
+"""
+
+
+def test_a_stall_after_the_last_test_fails_the_run(pytester):
+    """A shared server's stall after the last test's check (a module's or the session's fixture stopping it) fails
+    the run at its end, naming it."""
+    pytester.makeconftest('pytest_plugins = ["pathways_nb.testing.stall_plugin"]')
+    pytester.makepyfile(test_held_later=AFTER_THE_LAST_TEST)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*= after the last test =*",
+            "*proxy (pathways-nb proxy at grpc://127.0.0.1:*): one callback held the loop for 0.[789]* s*",
         ]
     )
 
