@@ -28,10 +28,13 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 
 from pathways_nb.rpc import cluster_pb2 as pb
+
+T = TypeVar("T")
 
 LONGEST_CALLBACK_S = 0.5  # longer than this in one callback fails a test
 
@@ -168,11 +171,19 @@ def enable() -> None:
     local_cluster.watchers.append(_cluster_changed)
 
 
-def watch(owner: object, source: str, read: Callable[[], list[pb.LoopStats]]) -> None:
-    """Reads ``read()`` at each check while ``owner`` serves (nothing unless ``enable()`` ran)."""
-    if _enabled:
-        with _lock:
-            _serving[owner] = Watched(source, read)
+def watch(owner: T, source: str, read: Callable[[T], list[pb.LoopStats]]) -> None:
+    """Reads ``read(owner)`` at each check while ``owner`` serves (nothing unless ``enable()`` ran). ``owner`` is
+    held weakly: one that was dropped without stopping is read no more."""
+    if not _enabled:
+        return
+    held = weakref.ref(owner)
+
+    def read_it() -> list[pb.LoopStats]:
+        alive = held()
+        return read(alive) if alive is not None else []
+
+    with _lock:
+        _serving[owner] = Watched(source, read_it)
 
 
 def stopping(owner: object) -> None:
@@ -190,7 +201,7 @@ def watch_server(server, source: str) -> None:
     from pathways_nb.core.security import ClusterCredentials
     from pathways_nb.launch.local_cluster import loop_stats
 
-    watch(server, source, lambda: [loop_stats(server.hostport, ClusterCredentials())])
+    watch(server, source, lambda alive: [loop_stats(alive.hostport, ClusterCredentials())])
 
 
 def _cluster_changed(cluster) -> None:
@@ -198,7 +209,7 @@ def _cluster_changed(cluster) -> None:
     from pathways_nb.launch.processes import Status
 
     if cluster.status is Status.running:
-        watch(cluster, f"LocalCluster at {cluster.address}", cluster.loop_stats)
+        watch(cluster, f"LocalCluster at {cluster.address}", lambda alive: alive.loop_stats())
     else:
         stopping(cluster)
 
