@@ -5,6 +5,7 @@ import threading
 import time
 
 from pathways_nb.core import tuning
+from pathways_nb.core.loop import call_on
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.worker.service import Replies
 
@@ -12,9 +13,11 @@ from pathways_nb.worker.service import Replies
 async def _batches_while_recording(
     seconds: float, event_every_s: float, reply_every_s: float
 ) -> tuple[int, int, float]:
-    """Batches the stream sent while another thread recorded events and, more rarely, replies; the replies; and
-    how long the recording lasted."""
+    """Batches the stream sent while another thread recorded events and, more rarely, replies (each handed to the
+    loop, which owns the stream's replies, as a session's threads hand them); the replies; and how long the
+    recording lasted."""
     replies = Replies()
+    loop = asyncio.get_running_loop()
     stop = threading.Event()
     sent_replies = 0
     recorded_s = 0.0
@@ -23,14 +26,14 @@ async def _batches_while_recording(
         nonlocal sent_replies, recorded_s
         started = next_reply = time.monotonic()
         while not stop.is_set():
-            replies.put_event(pb.Event(kind="execute"))
+            call_on(loop, replies.put_event, pb.Event(kind="execute"))
             if time.monotonic() >= next_reply:
-                replies.put(pb.Reply(request=sent_replies))
+                call_on(loop, replies.put, pb.Reply(request=sent_replies))
                 sent_replies += 1
                 next_reply += reply_every_s
             time.sleep(event_every_s)
         recorded_s = time.monotonic() - started
-        replies.close()
+        call_on(loop, replies.close)
 
     recorder = threading.Thread(target=record)
     batches = 0

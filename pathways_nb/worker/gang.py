@@ -7,7 +7,7 @@ numbers each such program as its part arrives (so a session's programs keep
 the order the session sent them in, and sessions interleave first come, first
 served; while several tenants saturate the island, the next step goes by
 weight, through the island's own ``FairShare``, see
-``WorkerSession._assign_step``) and tells the other hosts; every host, host 0
+``worker.handlers.programs._assign_step``) and tells the other hosts; every host, host 0
 too, dispatches step n only once steps 0..n-1 are dispatched and its own part
 of step n is ready (arguments there). Dispatch runs on one thread per island order, which never
 holds the order's lock while it runs a program. At most ``tuning.GANG_MAX_IN_FLIGHT`` such

@@ -9,7 +9,7 @@ holds. The resource manager is told only what changed (``worker.server``).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 
 from pathways_nb.core import tuning
 from pathways_nb.rpc import cluster_pb2 as pb
@@ -17,20 +17,22 @@ from pathways_nb.worker.runtime import LocalRuntime
 
 
 class LoadGauge:
-    """Measures the load of the worker serving ``runtime``'s devices with ``sessions()`` open."""
+    """Measures the load of the worker serving ``runtime``'s devices; ``counts()``: its open sessions and their
+    arrays (blocks)."""
 
-    def __init__(self, runtime: LocalRuntime, sessions: Callable[[], Collection]):
+    def __init__(self, runtime: LocalRuntime, counts: Callable[[], tuple[int, int]]):
         self._runtime = runtime
-        self._sessions = sessions
+        self._counts = counts
         self._took_s = 0.0
 
     def measure(self) -> pb.WorkerLoad:
+        """The load now (blocks: a thread of the worker's liveness, never its loop)."""
         started = time.perf_counter()
         arrays = self._runtime.client.live_arrays()
-        sessions = list(self._sessions())
+        sessions, session_arrays = self._counts()
         load = pb.WorkerLoad(
-            sessions=len(sessions),
-            session_arrays=sum(len(session.arrays) for session in sessions),
+            sessions=sessions,
+            session_arrays=session_arrays,
             arrays=len(arrays),
             array_bytes=sum(array.nbytes for array in arrays),
             device_bytes=_device_bytes(self._runtime),

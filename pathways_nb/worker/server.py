@@ -11,6 +11,7 @@ on a new one, keeping its incarnation. A resource manager without that stream
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -27,6 +28,8 @@ import grpc
 from pathways_nb.colocated.worker import ColocatedPython
 from pathways_nb.core import keepalive
 from pathways_nb.core.aio_server import BackgroundServer
+from pathways_nb.core.dataflow import Pending, fulfil
+from pathways_nb.core.loop import call_on
 from pathways_nb.core.nonxla import HostContext
 from pathways_nb.core.retry import Retry
 from pathways_nb.core.security import ClusterCredentials
@@ -39,6 +42,9 @@ from pathways_nb.worker.runtime import LocalRuntime
 from pathways_nb.worker.service import SERVICE_NAME, WorkerService, local_devices
 
 _LOGGER = logging.getLogger(__name__)
+
+# How long the load's thread waits for the loop to count the sessions.
+_COUNT_TIMEOUT_S = 5.0
 
 
 class MemberProcesses(Protocol):
@@ -119,7 +125,8 @@ class WorkerServer:
         )
         self._stopped = threading.Event()
         self._on_fatal = on_fatal or (lambda _why: self.stop())
-        self._load = LoadGauge(runtime, lambda: self.service.sessions.values())
+        self._load = LoadGauge(runtime, self._session_counts)
+        self._last_counts = (0, 0)
         self._attaching = True  # False while the resource manager has no Attach (heartbeats instead)
         self._update_interval_s = 1.0
         self._attachment: tuple[grpc.Call, threading.Event] | None = None  # the open stream, and what ends it
@@ -231,6 +238,15 @@ class WorkerServer:
         over.set()
         self._news.put(None)  # wakes the stream's writer
 
+    def _session_counts(self) -> tuple[int, int]:
+        """The service's open sessions and their arrays, counted on its loop, which owns them (this thread waits;
+        the last counts if the loop does not answer: it is stopping)."""
+        counted = Pending()
+        call_on(self._server.loop, fulfil, counted, self.service.load_counts)
+        with contextlib.suppress(TimeoutError):
+            self._last_counts = counted.wait(_COUNT_TIMEOUT_S)
+        return self._last_counts
+
     def _tell(self, event: pb.GroupMemberEvent) -> None:
         """Tells the resource manager what became of one of this host's group members (from any thread)."""
         self._news.put(event)
@@ -303,13 +319,13 @@ class WorkerServer:
 
     def stop(self, grace_s: float | None = 1.0) -> None:
         self._stopped.set()
-        self.service.stopping = True
+        call_on(self._server.loop, self.service.begin_stopping)  # (before the server's stop, which the loop runs next)
         if self._attachment is not None:
             self._end_stream(self._attachment[1])  # ends the Attach stream: the resource manager finds this worker gone
         self._server.stop(grace_s)
         if self._members is not None:
             self._members.close()
-        self.service.close()
+        self.service.close()  # (the loop has stopped)
         self.runtime.close()
 
     def wait(self, timeout_s: float | None = None) -> bool:

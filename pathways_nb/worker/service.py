@@ -1,38 +1,35 @@
 """The worker's gRPC service: one command stream per proxy session, and arrays pushed by peers.
 
-Commands are served on the asyncio loop as they arrive; blocking work
-(reading arrays back, waiting for devices, compiling, sending to peers) runs
-on a thread pool. Replies are batched: everything queued when the stream's
-writer wakes goes out in one message.
+Commands are served on the event loop as they arrive (``worker.handlers``); the loop owns the
+sessions and their state. Blocking work (reading arrays back, waiting for devices, compiling,
+sending to peers) runs on a thread pool and hands its results back to the loop. Replies are
+batched: everything queued when the stream's writer wakes goes out in one message.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-import numpy as np
 
 from pathways_nb.colocated.worker import ColocatedPython
 from pathways_nb.core import shared_memory, tuning
-from pathways_nb.core.aio_server import SERVER_OPTIONS
-from pathways_nb.core.dataflow import Pending, wait_on_loop
-from pathways_nb.core.loop import call_on
+from pathways_nb.core.dataflow import wait_on_loop
 from pathways_nb.core.nonxla import HostContext
 from pathways_nb.core.security import ClusterCredentials
 from pathways_nb.core.storage import StorageRoot, default_root
-from pathways_nb.protocol.errors import Unavailable
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
+from pathways_nb.worker import handlers
 from pathways_nb.worker.gang import IslandOrder
-from pathways_nb.worker.programs import Programs
+from pathways_nb.worker.peers import Peers
+from pathways_nb.worker.programs import CompileCache, Programs
 from pathways_nb.worker.runtime import LocalRuntime
-from pathways_nb.worker.session import WorkerSession
+from pathways_nb.worker.session import WorkerParts, WorkerSession
 from pathways_nb.worker.share import FairShare
 from pathways_nb.worker.suspended import HostBudget
 
@@ -42,11 +39,13 @@ SERVICE_NAME = "pathways_nb.v1.Worker"
 
 
 class Replies:
-    """Replies queued from any thread, drained in batches by the stream's writer."""
+    """A session stream's replies, timeline events and output, drained in batches by the stream's writer.
+
+    Loop-owned: the session hands what other threads make to the loop first (``WorkerSession.post_reply``).
+    """
 
     def __init__(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._lock = threading.Lock()
         self._items: list[pb.Reply] = []
         self._events: list[pb.Event] = []
         self._output: list[pb.OutputLine] = []
@@ -55,61 +54,45 @@ class Replies:
         self._closed = False
 
     def put(self, reply: pb.Reply) -> None:
-        with self._lock:
-            self._items.append(reply)
-            first = len(self._items) == 1
-        if first:
-            self._wake()
+        self._items.append(reply)
+        if len(self._items) == 1:
+            self._ready.set()
 
     def put_event(self, recorded: pb.Event) -> None:
-        with self._lock:
-            self._events.append(recorded)
-            later = self._needs_timer()
-        if later:
-            self._wake_later()
+        self._events.append(recorded)
+        self._wake_later()
 
     def put_output(self, lines: Sequence[pb.OutputLine]) -> None:
         """Output of the session (bounded where it was written); not urgent, as events are not."""
         if not lines:
             return
-        with self._lock:
-            self._output.extend(lines)
-            later = self._needs_timer()
-        if later:
-            self._wake_later()
+        self._output.extend(lines)
+        self._wake_later()
 
-    def _needs_timer(self) -> bool:
-        """Whether what was just queued (not urgent) needs a wake-up of its own: not if a reply's or one timer's
-        is on its way. One timer per drained batch would pile up while a stream both replies and records
-        (each reply's batch started another), until every event went alone, a message per program."""
+    def _wake_later(self) -> None:
+        """Wakes the writer for what was just queued (not urgent), unless a reply's or one timer's wake-up is on its
+        way. One timer per drained batch would pile up while a stream both replies and records (each reply's
+        batch started another), until every event went alone, a message per program."""
         if self._items or self._timer_queued:
-            return False
+            return
         self._timer_queued = True
-        return True
+        self._loop.call_later(tuning.EVENTS_DELAY_S.value, self._timer_fired)
 
     def close(self) -> None:
         self._closed = True
-        self._wake()
-
-    def _wake(self) -> None:
-        call_on(self._loop, self._ready.set)
-
-    def _wake_later(self) -> None:
-        call_on(self._loop, self._loop.call_later, tuning.EVENTS_DELAY_S.value, self._timer_fired)
+        self._ready.set()
 
     def _timer_fired(self) -> None:
-        with self._lock:
-            self._timer_queued = False
+        self._timer_queued = False
         self._ready.set()
 
     async def batches(self) -> AsyncIterator[pb.ReplyBatch]:
         while True:
             await self._ready.wait()
             self._ready.clear()
-            with self._lock:
-                items, self._items = self._items, []
-                events, self._events = self._events, []
-                output, self._output = self._output, []
+            items, self._items = self._items, []
+            events, self._events = self._events, []
+            output, self._output = self._output, []
             if items or events or output:
                 yield pb.ReplyBatch(replies=items, events=events, clock=time.time(), output=output)
             if self._closed:
@@ -117,6 +100,12 @@ class Replies:
 
 
 class WorkerService(cluster_pb2_grpc.WorkerServicer):
+    """The worker's sessions and pushes, served on its event loop, which owns ``sessions`` (and each session's state).
+
+    Other threads reach them through the loop: the load's thread counts them with ``load_counts`` (a ``Pending``
+    the loop resolves); ``close`` runs once the loop has stopped.
+    """
+
     def __init__(
         self,
         runtime: LocalRuntime,
@@ -132,14 +121,7 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
         # Colocated Python (None: off): the sessions' executors, which the host's supervisor starts.
         self.colocated = colocated
         self.credentials = credentials or ClusterCredentials()
-        self.programs = Programs(runtime)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="pathways-worker")
-        self.sessions: dict[str, WorkerSession] = {}
-        # Pushes that arrived before their session's stream (streams from the proxy and from peers
-        # race), by session key: each waits a moment for it (on the loop).
-        self._early_pushes: dict[str, list[asyncio.Future]] = {}
-        self._peers: dict[str, cluster_pb2_grpc.WorkerStub] = {}
-        self._peers_lock = threading.Lock()
         # The order of this host's island for programs that span its hosts (see worker.gang).
         self.island_order = IslandOrder()
         # Busy devices shared between tenants by weight.
@@ -148,8 +130,28 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
         self.outbox = shared_memory.Outbox("worker")
         # Suspended sessions' arrays: in this host's memory up to the budget, beyond it in files.
         self.suspend_budget = HostBudget(suspend_memory_budget, self.host.storage.root / "suspended" / self.host.name)
-        # Set as the worker begins to stop: the streams its server then ends are not failures.
+        self.parts = WorkerParts(
+            runtime=runtime,
+            programs=Programs(),
+            compiles=CompileCache(runtime),
+            pool=self.pool,
+            peers=Peers(self.credentials),
+            share=self.share,
+            order=self.island_order,
+            outbox=self.outbox,
+            host=self.host,
+            suspend_budget=self.suspend_budget,
+        )
+        self.sessions: dict[str, WorkerSession] = {}
+        # Pushes that arrived before their session's stream (streams from the proxy and from peers
+        # race), by session key: each waits a moment for it (on the loop).
+        self._early_pushes: dict[str, list[asyncio.Future]] = {}
+        # Set (on the loop) as the worker begins to stop: the streams its server then ends are not failures.
         self.stopping = False
+
+    def load_counts(self) -> tuple[int, int]:
+        """How many sessions are open, and how many arrays they hold (on the loop)."""
+        return len(self.sessions), sum(len(session.state.arrays) for session in self.sessions.values())
 
     async def Session(self, request_iterator, context):
         replies = Replies()
@@ -159,50 +161,13 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first command batch must name its session")
         if key in self.sessions:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"session {key} is already open on this worker")
-        session = WorkerSession(
-            key,
-            self.runtime,
-            self.programs,
-            asyncio.get_running_loop(),
-            self.pool,
-            replies.put,
-            self.push,
-            replies.put_event,
-            self.island_order,
-            self.announce_step,
-            self.share,
-            self.outbox,
-            self.host,
-            replies.put_output,
-            self.suspend_budget,
-        )
+        session = WorkerSession(key, self.parts, asyncio.get_running_loop(), replies)
         self.sessions[key] = session
         for waiting in self._early_pushes.pop(key, ()):
             if not waiting.done():
                 waiting.set_result(None)
         _LOGGER.info("session %s opened", key)
-
-        async def serve() -> None:
-            try:
-                batch = first
-                while True:
-                    for command in batch.commands:
-                        session.handle(command)
-                    batch = await request_iterator.__anext__()
-            except StopAsyncIteration:
-                # The proxy is done with the session: its last timeline events go before the stream ends.
-                await session.reported(tuning.SESSION_END_EVENTS_WAIT_S.value)
-            except grpc.aio.AioRpcError as error:
-                _LOGGER.info("session %s: the proxy's stream ended (%s)", key, error.code().name)
-            except asyncio.CancelledError:
-                replies.close()
-                raise
-            except Exception:
-                if not self.stopping:
-                    _LOGGER.exception("session %s failed", key)
-            replies.close()
-
-        reader = asyncio.create_task(serve())
+        reader = asyncio.create_task(self._serve(session, first, request_iterator, replies))
         try:
             async for batch in replies.batches():
                 yield batch
@@ -213,6 +178,27 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
             if self.colocated is not None:
                 self.colocated.end_session(key)
             _LOGGER.info("session %s closed", key)
+
+    async def _serve(self, session: WorkerSession, first: pb.CommandBatch, request_iterator, replies: Replies) -> None:
+        """Serves the stream's commands in order until it ends, then ends the replies."""
+        try:
+            batch = first
+            while True:
+                for command in batch.commands:
+                    handlers.handle(session, command)
+                batch = await request_iterator.__anext__()
+        except StopAsyncIteration:
+            # The proxy is done with the session: its last timeline events go before the stream ends.
+            await session.reported(tuning.SESSION_END_EVENTS_WAIT_S.value)
+        except grpc.aio.AioRpcError as error:
+            _LOGGER.info("session %s: the proxy's stream ended (%s)", session.key, error.code().name)
+        except asyncio.CancelledError:
+            replies.close()
+            raise
+        except Exception:
+            if not self.stopping:
+                _LOGGER.exception("session %s failed", session.key)
+        replies.close()
 
     async def PushArray(self, request_iterator, context):
         header = None
@@ -235,8 +221,7 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
             except shared_memory.NotShared as error:
                 _LOGGER.debug("array %d: %s; asking the sender for the bytes over gRPC", header.id, error)
                 return pb.PushArrayResponse(not_shared=True)
-        error = header.error if header.HasField("error") else None
-        session.arrive(header.id, header.meta, data, error, header.shard_devices)
+        handlers.arrive(session, header, data)
         return pb.PushArrayResponse()
 
     async def _session_for_push(self, key: str) -> WorkerSession | None:
@@ -258,30 +243,6 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
                     del self._early_pushes[key]
         return self.sessions.get(key)
 
-    def push(self, peer_address: str, header: pb.ArrayChunk, host: np.ndarray | None) -> bool:
-        """Sends an array (or, in ``header.shared``, the file that holds it) to a peer worker, on a pool thread.
-
-        False if the peer could not take the shared file (the caller sends the bytes instead);
-        UNAVAILABLE if the push failed (the peer's copy of the array never comes).
-        """
-        data = memoryview(host.reshape(-1).view(np.uint8)) if host is not None else memoryview(b"")
-
-        def chunks():
-            yield header
-            chunk = tuning.MESSAGE_CHUNK_BYTES.value
-            for start in range(0, data.nbytes, chunk):
-                yield pb.ArrayChunk(data=data[start : start + chunk].tobytes())
-
-        try:
-            return not self._peer(peer_address).PushArray(chunks()).not_shared
-        except grpc.RpcError as error:
-            raise Unavailable(
-                f"sending array {header.id} to {peer_address} failed ({error.code().name}: {error.details()})"
-            ) from None
-        finally:
-            if header.HasField("shared"):
-                shared_memory.discard(header.shared.path)  # taken by now, or never will be
-
     async def OrderGang(self, request, context):
         """Takes host 0's order at once, and answers once this host's parts of those steps have run.
 
@@ -292,47 +253,20 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
             await wait_on_loop(turn.ran)
         return pb.GangOrdersAck()
 
-    def announce_step(self, peers: Sequence[str], gang: str, step: int) -> list[Pending]:
-        """Host 0: tells the island's other hosts the step of a multi-host program, without waiting.
-
-        Returns, per host, what is done once that host's part of the step has run (or once
-        telling it failed, or took longer than ``tuning.PART_REPORT_TIMEOUT_S``: then it no longer counts).
-        """
-        orders = pb.GangOrders(steps=[pb.GangStep(gang=gang, step=step)])
-        reported = []
-        for address in peers:
-            ran = Pending()
-            call = self._peer(address).OrderGang.future(orders, timeout=tuning.PART_REPORT_TIMEOUT_S.value)
-            call.add_done_callback(lambda call, ran=ran, address=address: _part_reported(call, ran, address))
-            reported.append(ran)
-        return reported
-
-    def _peer(self, address: str) -> cluster_pb2_grpc.WorkerStub:
-        with self._peers_lock:
-            stub = self._peers.get(address)
-            if stub is None:
-                stub = cluster_pb2_grpc.WorkerStub(self.credentials.channel(address, options=SERVER_OPTIONS))
-                self._peers[address] = stub
-            return stub
+    def begin_stopping(self) -> None:
+        """The worker begins to stop (on the loop)."""
+        self.stopping = True
 
     def close(self) -> None:
+        """Lets everything go, once the loop has stopped (its sessions are this thread's then)."""
         for session in list(self.sessions.values()):
             session.close()
+        self.sessions.clear()
         if self.colocated is not None:
             self.colocated.close()
         self.island_order.close()
         self.share.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _part_reported(call: grpc.Future, ran: Pending, address: str) -> None:
-    try:
-        error = call.exception()
-    except grpc.FutureCancelledError:
-        error = None
-    if error is not None and error.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
-        _LOGGER.warning("telling %s the island's order failed: %s", address, error.details())
-    ran.resolve(None)
 
 
 def local_devices(runtime: LocalRuntime, device_ids) -> list[pb.LocalDevice]:

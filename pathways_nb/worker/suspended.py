@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,18 +24,14 @@ import numpy as np
 from pathways_nb.core.dataflow import ArrayRecord
 from pathways_nb.protocol.errors import InvalidRequest
 
-# Guards copies' reads and deletions, and shards' counts of users: the loop and the session's pool both change them.
-_READS = threading.Lock()
-
 
 class HostBudget:
     """The bytes of suspended arrays this host keeps in memory; what does not fit goes to files under
     ``spill_root`` (a directory per session).
 
-    ``limit`` None: no limit. Shared by the host's sessions (thread-safe: copies run on the worker's pool).
-    Copies are let go on a thread of the budget's own, in order: a copy is let go on the worker's loop (a
-    forget) as well as on its pool, and freeing a big buffer or unlinking a big file is a wait the loop must
-    not have.
+    ``limit`` None: no limit. Shared by the host's sessions. The bytes in use are the budget's own thread's:
+    copies (on the worker's pool) ask it for room (``take`` waits for its answer), and copies are let go on it,
+    in order (freeing a big buffer or unlinking a big file is a wait the loop must not have).
     """
 
     def __init__(self, limit: int | None, spill_root: Path | None = None):
@@ -45,25 +40,26 @@ class HostBudget:
         self.limit = limit
         self._spill_root = spill_root
         self._used = 0
-        self._lock = threading.Lock()
         self._names = itertools.count()
-        self._releases = ThreadPoolExecutor(1, thread_name_prefix="pathways-suspended-release")
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="pathways-suspended-release")
 
     def take(self, nbytes: int) -> bool:
-        """Counts ``nbytes`` as kept in memory, if they fit."""
-        with self._lock:
-            if self.limit is not None and self._used + nbytes > self.limit:
-                return False
-            self._used += nbytes
-            return True
+        """Counts ``nbytes`` as kept in memory, if they fit (blocks: a pool thread asks the budget's thread)."""
+        return self._thread.submit(self._take, nbytes).result()
+
+    def _take(self, nbytes: int) -> bool:
+        if self.limit is not None and self._used + nbytes > self.limit:
+            return False
+        self._used += nbytes
+        return True
 
     def give(self, nbytes: int) -> None:
-        with self._lock:
-            self._used -= nbytes
+        """Memory of ``nbytes`` is free again (on the budget's thread)."""
+        self._used -= nbytes
 
-    @property
     def used(self) -> int:
-        return self._used
+        """Bytes in memory now (blocks: asks the budget's thread)."""
+        return self._thread.submit(lambda: self._used).result()
 
     def spill_file(self, session: str) -> Path:
         """A new file for one shard of ``session`` (its directory made when first needed)."""
@@ -73,12 +69,12 @@ class HostBudget:
 
     def release_later(self, shards: list[_Shard]) -> None:
         """Lets go of ``shards`` for one copy (see ``_Shard.release``), soon, after what was let go before."""
-        self._releases.submit(lambda: [shard.release(self) for shard in shards])
+        self._thread.submit(lambda: [shard.release(self) for shard in shards])
 
     def forget(self, session: str) -> None:
         """Removes the session's directory (its files went with its arrays, or go first), if it has one."""
         if self._spill_root is not None:
-            self._releases.submit(_remove_directory, self._spill_root / session)
+            self._thread.submit(_remove_directory, self._spill_root / session)
 
 
 def _remove_directory(directory: Path) -> None:
@@ -88,7 +84,10 @@ def _remove_directory(directory: Path) -> None:
 
 class _Shard:
     """One device buffer off its device: in memory, or in a file; shared by the copies of every array that used it
-    (an array and the single-device arrays taken apart from it share their buffers, and keep sharing them)."""
+    (an array and the single-device arrays taken apart from it share their buffers, and keep sharing them).
+
+    Its count of users is made by the pool thread that copies (``to_host``), then is the budget's thread's.
+    """
 
     __slots__ = ("host", "nbytes", "path", "sharding", "users")
 
@@ -107,11 +106,10 @@ class _Shard:
         return self.host if self.path is None else np.load(self.path)
 
     def release(self, budget: HostBudget) -> None:
-        """One copy less uses it: the last one frees its memory or removes its file."""
-        with _READS:
-            self.users -= 1
-            if self.users:
-                return
+        """One copy less uses it: the last one frees its memory or removes its file (on the budget's thread)."""
+        self.users -= 1
+        if self.users:
+            return
         if self.path is None:
             budget.give(self.nbytes)
             self.host = None
@@ -122,7 +120,8 @@ class _Shard:
 class HostCopy:
     """One array's addressable shards off the devices, with what it takes to make the array again.
 
-    A copy that a resume or a move reads on another thread is kept for that read (``keep_for_read``): the
+    Made on the pool (``to_host``), then the worker's loop's: a copy that a resume or a move reads on the pool is
+    kept for that read (``keep_for_read``, on the loop) and the loop is told when it is done (``read_done``): the
     session's client may let its array go meanwhile, and the copy then goes once the read is done.
     """
 
@@ -135,9 +134,8 @@ class HostCopy:
         self._deleted = self._delete_when_read = False
         self._reads = 0
         self.shards = shards
-        with _READS:
-            for shard in shards:
-                shard.users += 1
+        for shard in shards:
+            shard.users += 1
 
     @property
     def nbytes(self) -> int:
@@ -165,25 +163,21 @@ class HostCopy:
         return self._deleted
 
     def delete(self) -> None:
-        with _READS:
-            if self._deleted:
-                return
-            self._deleted = True
-            if self._reads:
-                self._delete_when_read = True
-                return
+        if self._deleted:
+            return
+        self._deleted = True
+        if self._reads:
+            self._delete_when_read = True
+            return
         self._release_shards()
 
     def keep_for_read(self) -> None:
         """Keeps the shards for a read that starts later, on another thread, until ``read_done``."""
-        with _READS:
-            self._reads += 1
+        self._reads += 1
 
     def read_done(self) -> None:
-        with _READS:
-            self._reads -= 1
-            release = not self._reads and self._delete_when_read
-        if release:
+        self._reads -= 1
+        if not self._reads and self._delete_when_read:
             self._release_shards()
 
     def _release_shards(self) -> None:
