@@ -6,6 +6,11 @@ serves the session's work on it), and compiles programs on workers, once per wor
 Following the cluster, granting leases and telling workers to forget programs are coroutines and
 callbacks on the proxy's event loop: they hold no thread, and no call on the loop waits for the
 resource manager (what the proxy must know of the cluster, it keeps from the watch).
+
+Its state (the workers and groups as last told, the programs compiled and being compiled, the control
+streams) is the event loop's, with no lock: every method is the loop's, but the blocking calls of pool
+threads (``compile``, ``compiled_on``, ``query``, ``default_layout``), which hand each step that touches it
+to the loop (``loop_handoff.on_loop``) and wait off it, and ``close``, which hands the closing to the loop.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from pathways_nb.proxy.cluster_api import GroupPlacement, RemoteProgram
 from pathways_nb.proxy.cluster_session import ClusterSession
 from pathways_nb.proxy.connection_output import HostLineSink
 from pathways_nb.proxy.lease import Lease, grant
+from pathways_nb.proxy.loop_handoff import on_loop
 from pathways_nb.proxy.rm_client import CLOSE_WAIT_S, PROFILE_DEADLINE_S, RmClient, allocate_request, run_on_loop
 from pathways_nb.proxy.worker_link import WorkerLink, WorkerLost
 from pathways_nb.rpc import cluster_pb2 as pb
@@ -67,7 +73,8 @@ class ClusterRuntime:
         self.credentials = credentials or ClusterCredentials()
         # The proxy's one client of the resource manager (its channel lives on the loop).
         self.rm = RmClient(rm_address, self.credentials)
-        self._lock = threading.Lock()
+        # Taken only to start a loop of its own (used without a proxy server), where none exists yet: never on a loop.
+        self._own_loop_lock = threading.Lock()
         # Program ids name programs on workers, which every proxy of the cluster shares: each proxy
         # counts from its own random start, far from any other's (ids of two proxies never meet).
         self._program_ids = itertools.count(secrets.randbits(40) << 20)
@@ -131,10 +138,9 @@ class ClusterRuntime:
     def _update(self, state: pb.ClusterState) -> None:
         if state.islands:
             self.islands = state.islands
-        with self._lock:
-            # Merged, not replaced: a resource manager that just restarted does not know every worker
-            # yet, and a worker it has not heard from again is where it was, not gone.
-            self._workers.update((w.worker_id, w) for w in state.workers)
+        # Merged, not replaced: a resource manager that just restarted does not know every worker
+        # yet, and a worker it has not heard from again is where it was, not gone.
+        self._workers.update((w.worker_id, w) for w in state.workers)
         for worker in state.workers:
             if not worker.healthy:
                 for session in list(self._sessions):
@@ -148,10 +154,9 @@ class ClusterRuntime:
 
     def _update_groups(self, groups) -> None:
         """Takes the groups' states: their members are workers too, and a group that went down fails its links."""
-        with self._lock:
-            for group in groups:
-                self._groups[group.group] = group
-                self._workers.update((m.worker_id, m) for m in group.members)
+        for group in groups:
+            self._groups[group.group] = group
+            self._workers.update((m.worker_id, m) for m in group.members)
         for group in groups:
             for member in group.members:
                 if not member.healthy:
@@ -160,34 +165,30 @@ class ClusterRuntime:
 
     def serving(self, islands) -> GroupPlacement | None:
         """The placement of the group of ``islands`` if it serves now (never forms one)."""
-        with self._lock:
-            state = self._groups.get(group_name(islands))
-            return self._placement(state) if state is not None and state.healthy else None
+        state = self._groups.get(group_name(islands))
+        return self._placement(state) if state is not None and state.healthy else None
 
     def last_placement(self, name: str) -> GroupPlacement | None:
         """The group's placement as last known, serving or not (for arrays that live, or lived, on it)."""
-        with self._lock:
-            state = self._groups.get(name)
-            return self._placement(state) if state is not None else None
+        state = self._groups.get(name)
+        return self._placement(state) if state is not None else None
 
     def group(self, islands) -> Pending:
-        """The placement of a group of islands, once it serves (never waits: the forming is awaited on the loop).
+        """The placement of a group of islands, once it serves (on the loop; never waits: the forming is a task).
 
         Fails with ``WorkerLost`` (DATA_LOSS) naming the host that keeps it from serving.
         """
         name = group_name(islands)
-        loop = self.loop  # (before the lock, which ``loop`` takes)
-        with self._lock:
-            state = self._groups.get(name)
-            if state is not None and state.healthy:
-                placed = Pending()
-                placed.resolve(self._placement(state))
-                return placed
-            forming = self._forming.get(name)
-            if forming is None:
-                forming = self._forming[name] = Pending()
-                call_on(loop, lambda: loop.create_task(self._form(name, sorted(set(islands)), forming)))
-            return forming
+        state = self._groups.get(name)
+        if state is not None and state.healthy:
+            placed = Pending()
+            placed.resolve(self._placement(state))
+            return placed
+        forming = self._forming.get(name)
+        if forming is None:
+            forming = self._forming[name] = Pending()
+            self.loop.create_task(self._form(name, sorted(set(islands)), forming))
+        return forming
 
     async def _form(self, name: str, islands: list[int], forming: Pending) -> None:
         try:
@@ -195,18 +196,14 @@ class ClusterRuntime:
         except RequestError as failure:
             if failure.code == Code.UNAVAILABLE:  # a host is down: the work fails as on its island
                 failure = WorkerLost(f"{failure.message}. Programs over one island keep running on the others")
-            with self._lock:
-                self._forming.pop(name, None)
+            self._forming.pop(name, None)
             forming.fail(failure)
             return
         self._update_groups([state])
-        with self._lock:
-            self._forming.pop(name, None)
-            placement = self._placement(state)
-        forming.resolve(placement)
+        self._forming.pop(name, None)
+        forming.resolve(self._placement(state))
 
     def _placement(self, state: pb.GroupState) -> GroupPlacement:
-        """(Under the lock.)"""
         number = self._group_islands.setdefault(state.group, -1 - len(self._group_islands))
         order = {m.worker_id: k for k, m in enumerate(state.members)}
         devices = {}
@@ -219,8 +216,20 @@ class ClusterRuntime:
         return GroupPlacement(state.group, number, state.epoch, devices)
 
     def worker(self, worker_id: str) -> pb.WorkerState | None:
-        with self._lock:
-            return self._workers.get(worker_id)
+        return self._workers.get(worker_id)
+
+    def current(self, device: pb.Device) -> pb.Device:
+        """The device's worker as the cluster knows it now (it may have restarted since the allocation)."""
+        worker = self.worker(device.worker_id)
+        if worker is None or (worker.incarnation == device.incarnation and worker.healthy == device.healthy):
+            return device
+        current = pb.Device()
+        current.CopyFrom(device)
+        current.incarnation = worker.incarnation
+        current.worker_address = worker.address
+        current.healthy = worker.healthy
+        current.host_key = worker.host_key
+        return current
 
     def down_reason(self, worker_id: str, incarnation: int) -> str:
         """Why the cluster says that incarnation of a worker is down ("" while it does not know)."""
@@ -251,26 +260,28 @@ class ClusterRuntime:
 
     def serve_on(self, loop: asyncio.AbstractEventLoop) -> None:
         """Runs the watch and the streams to workers on ``loop``, the proxy's own (before any session opens)."""
-        with self._lock:
-            self._loop = loop
+        self._loop = loop
         self._start_watching(loop)
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
         """The streams' loop: the proxy's, or (used without a proxy server) a loop thread of its own."""
-        with self._lock:
+        if self._loop is not None:
+            return self._loop
+        with self._own_loop_lock:  # (no loop exists yet: no loop takes it)
             if self._loop is not None:
                 return self._loop
-            self._loop = loop = new_event_loop()
+            loop = new_event_loop()
             self._owns_loop = True
-        threading.Thread(target=loop.run_forever, name="pathways-links", daemon=True).start()
-        self._start_watching(loop)
+            threading.Thread(target=loop.run_forever, name="pathways-links", daemon=True).start()
+            self._start_watching(loop)
+            self._loop = loop
         return loop
 
     async def stop_serving(self) -> None:
-        """The proxy stops (on its loop): the watch ends and the client of the resource manager closes."""
-        if self._watch_task is not None:
-            self._watch_task.cancel()
+        """The proxy stops (on its loop): the watch ends, the streams close (what waits on them fails), and the client
+        of the resource manager closes."""
+        self._close_streams()
         await self.rm.close()
 
     def _start_watching(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -308,39 +319,36 @@ class ClusterRuntime:
     # -- programs --------------------------------------------------------------------------
 
     def control_link(self, worker: pb.Device) -> WorkerLink:
-        """The proxy's own stream to a worker, for compiling and querying programs."""
-        loop = self.loop
-        with self._lock:
-            link = self._control.get(worker.worker_id)
-            if link is None or not link.alive or link.incarnation != worker.incarnation:
-                if link is not None:
-                    link.close()
-                link = WorkerLink(
-                    worker, f"{self.key}-control-{worker.incarnation}", loop, credentials=self.credentials
-                )
-                self._control[worker.worker_id] = link
-            return link
+        """The proxy's own stream to a worker, for compiling and querying programs (on the loop)."""
+        link = self._control.get(worker.worker_id)
+        if link is None or not link.alive or link.incarnation != worker.incarnation:
+            if link is not None:
+                link.close()
+            link = WorkerLink(
+                worker, f"{self.key}-control-{worker.incarnation}", self.loop, credentials=self.credentials
+            )
+            self._control[worker.worker_id] = link
+        return link
 
     def program_id_on(self, program: RemoteProgram, worker: pb.Device, link: WorkerLink | None = None) -> int:
         """The id of ``program`` on the worker's current incarnation; if it is not compiled there, the compile is sent.
 
-        The compile goes on ``link`` (the stream of the command that uses the id; the worker serves
+        On the loop. The compile goes on ``link`` (the stream of the command that uses the id; the worker serves
         a stream in order, so that command waits there for the compile) and is not waited for: no
         caller, the proxy's event loop least of all, waits for a worker here. A compile that fails
         fails the commands that use the id, and the next use compiles again. While the compile is
         on its way on another stream (another session's), it is sent on ``link`` too, under the
         same id: streams are not ordered with each other (the worker compiles once, by content).
         """
-        with self._lock:
-            known = self._compiled.setdefault(program, {})
-            program_id = known.get(worker.incarnation)
-            sent = self._compiling.get(program_id) if program_id is not None else None
-            if program_id is not None and (sent is None or link is None or sent[1] is link):
-                return program_id
-            new = program_id is None
-            if new:
-                program_id = known[worker.incarnation] = next(self._program_ids)
-                self._compiled_where.setdefault(program, {}).setdefault(worker.worker_id, worker)
+        known = self._compiled.setdefault(program, {})
+        program_id = known.get(worker.incarnation)
+        sent = self._compiling.get(program_id) if program_id is not None else None
+        if program_id is not None and (sent is None or link is None or sent[1] is link):
+            return program_id
+        new = program_id is None
+        if new:
+            program_id = known[worker.incarnation] = next(self._program_ids)
+            self._compiled_where.setdefault(program, {}).setdefault(worker.worker_id, worker)
         link = link or self.control_link(worker)
         try:
             reply = self._send_compile(
@@ -348,31 +356,31 @@ class ClusterRuntime:
             )
         except RequestError:
             if new:
-                with self._lock:
-                    known.pop(worker.incarnation, None)
+                known.pop(worker.incarnation, None)
             raise
 
-        def replied(_value, error: BaseException | None) -> None:
-            with self._lock:
-                if self._compiling.get(program_id, (None,))[0] is reply:
-                    del self._compiling[program_id]
-                if error is not None and known.get(worker.incarnation) == program_id:
-                    del known[worker.incarnation]
+        def replied(_value, error: BaseException | None) -> None:  # (on the loop: the link's replies are read there)
+            if self._compiling.get(program_id, (None,))[0] is reply:
+                del self._compiling[program_id]
+            if error is not None and known.get(worker.incarnation) == program_id:
+                del known[worker.incarnation]
 
-        with self._lock:
-            self._compiling[program_id] = (reply, link)
+        self._compiling[program_id] = (reply, link)
         reply.on_done(replied)
         return program_id
 
     def compiled_on(self, program: RemoteProgram, worker: pb.Device) -> int:
-        """``program_id_on``, once the program is compiled there (blocks: for work off the event loop)."""
-        program_id = self.program_id_on(program, worker)
-        with self._lock:
-            sent = self._compiling.get(program_id)
-        if sent is not None:
-            reply, link = sent
-            link.result(reply)
+        """``program_id_on``, once the program is compiled there (blocks: a pool thread's call)."""
+        program_id, compiling = on_loop(self.loop, self._compiling_on, program, worker)
+        if compiling is not None:
+            compiling.wait()
         return program_id
+
+    def _compiling_on(self, program: RemoteProgram, worker: pb.Device) -> tuple[int, Pending | None]:
+        """The program's id on the worker, and its compile's pending reply if it is on its way (on the loop)."""
+        program_id = self.program_id_on(program, worker)
+        sent = self._compiling.get(program_id)
+        return program_id, (sent[0] if sent is not None else None)
 
     def _send_compile(
         self, link: WorkerLink, program_id: int, stablehlo: bytes, options: bytes, local_ids: tuple[int, ...]
@@ -391,7 +399,8 @@ class ClusterRuntime:
         local_ids,
         stand_in: Callable[[], pb.Device | None] | None = None,
     ) -> RemoteProgram:
-        """Compiles on every host of the program at once (blocks: it runs on the compile pool).
+        """Compiles on every host of the program at once (blocks: it runs on the compile pool; the compiles are
+        sent, and the program recorded, on the loop).
 
         A program compiles whatever the state of its island, as on Pathways, where the compile
         does not need the slice (pathwaysutils' elastic health check compiles a program for each
@@ -401,29 +410,19 @@ class ClusterRuntime:
         down, a healthy worker with the same kind of devices (``stand_in``) compiles it in their
         stead, for its description, and forgets it; with none, the compile fails with the loss.
         """
-        ids = [next(self._program_ids) for _ in hosts]
-        sent: list[tuple[WorkerLink, Pending] | WorkerLost] = []
-        for host, program_id in zip(hosts, ids, strict=True):
-            try:
-                if not host.healthy:
-                    raise self.down(host)
-                link = self.control_link(host)
-                sent.append((link, self._send_compile(link, program_id, stablehlo, options, local_ids)))
-            except WorkerLost as lost:
-                sent.append(lost)
+        ids, sent = on_loop(self.loop, self._send_compiles, hosts, stablehlo, options, local_ids)
         compiled: dict[int, pb.CompiledProgram] = {}
         lost: list[WorkerLost] = []
         for index, reply in enumerate(sent):
             try:
                 if isinstance(reply, WorkerLost):
                     raise reply
-                link, future = reply
-                compiled[index] = link.result(future).compiled
+                compiled[index] = reply.wait().compiled
             except WorkerLost as error:
                 lost.append(error)
         description = next(iter(compiled.values()), None)
         if description is None:
-            substitute = stand_in() if stand_in is not None else None
+            substitute = on_loop(self.loop, stand_in) if stand_in is not None else None
             if substitute is None:
                 raise lost[0]
             description = self._compile_in_stead(substitute, stablehlo, options, local_ids, lost[0])
@@ -435,26 +434,51 @@ class ClusterRuntime:
             compile_options=options,
             local_device_ids=tuple(local_ids),
         )
-        with self._lock:
-            known = self._compiled[program] = {hosts[i].incarnation: ids[i] for i in compiled}
-            where = self._compiled_where[program] = {host.worker_id: host for host in hosts}
+        on_loop(self.loop, self._compiled_now, program, {hosts[i].incarnation: ids[i] for i in compiled})
+        return program
+
+    def _send_compiles(
+        self, hosts: Sequence[pb.Device], stablehlo: bytes, options: bytes, local_ids
+    ) -> tuple[list[int], list[Pending | WorkerLost]]:
+        """A new program id per host, and its compile sent there (or the loss of its worker; on the loop)."""
+        ids = [next(self._program_ids) for _ in hosts]
+        sent: list[Pending | WorkerLost] = []
+        for host, program_id in zip(hosts, ids, strict=True):
+            try:
+                if not host.healthy:
+                    raise self.down(host)
+                sent.append(self._send_compile(self.control_link(host), program_id, stablehlo, options, local_ids))
+            except WorkerLost as lost:
+                sent.append(lost)
+        return ids, sent
+
+    def _compiled_now(self, program: RemoteProgram, known: dict[int, int]) -> None:
+        """Records where ``program`` is compiled (on the loop)."""
+        self._compiled[program] = known
+        where = self._compiled_where[program] = {host.worker_id: host for host in program.hosts}
         # Once no session handle, compile-cache entry or running request holds the program, its
         # workers drop it too (their table of programs would only grow otherwise).
         weakref.finalize(program, self._drop, (where, known))
-        return program
 
     def _compile_in_stead(
         self, worker: pb.Device, stablehlo: bytes, options: bytes, local_ids, lost: WorkerLost
     ) -> pb.CompiledProgram:
         """The program compiled on ``worker`` for its description only (it forgets it at once).
 
-        Raises ``lost`` (the hosts' loss) if ``worker`` is lost too.
+        Raises ``lost`` (the hosts' loss) if ``worker`` is lost too. Blocks (a pool thread's call).
         """
-        program_id = next(self._program_ids)
-        link = self.control_link(worker)
+
+        def send() -> tuple[int, Pending]:
+            program_id = next(self._program_ids)
+            return program_id, self._send_compile(self.control_link(worker), program_id, stablehlo, options, local_ids)
+
+        def forget(program_id: int) -> None:
+            self.control_link(worker).send(pb.Command(forget_program=pb.ForgetProgram(program=program_id)))
+
         try:
-            compiled = link.result(self._send_compile(link, program_id, stablehlo, options, local_ids)).compiled
-            link.send(pb.Command(forget_program=pb.ForgetProgram(program=program_id)))
+            program_id, reply = on_loop(self.loop, send)
+            compiled = reply.wait().compiled
+            on_loop(self.loop, forget, program_id)
         except WorkerLost:
             raise lost from None
         return compiled
@@ -465,7 +489,7 @@ class ClusterRuntime:
         Always through ``call_soon_threadsafe``, never at once: a finalizer may run on the loop's
         own thread in the middle of other work.
         """
-        loop = self._loop  # (not ``self.loop``, which takes a lock this thread may hold: GC runs anywhere)
+        loop = self._loop  # (not ``self.loop``, which would start a loop of its own: GC runs anywhere)
         if self._closed or loop is None:
             return
         try:
@@ -530,14 +554,17 @@ class ClusterRuntime:
             raise Unavailable("the proxy stopped before it asked the resource manager for its trace") from None
 
     def query(self, worker: pb.Device, command: pb.Command, field: str) -> pb.Reply:
-        link = self.control_link(worker)
-        return link.result(link.request(command, field))
+        """The worker's (current process's) reply to ``command`` on the proxy's control stream (blocks)."""
+        return on_loop(self.loop, lambda: self.control_link(self.current(worker)).request(command, field)).wait()
 
     def layout_waits(self, device: pb.Device, dtype_kind: int, dims: tuple[int, ...], memory_kind: str) -> bool:
         return not self._layouts.known(device.platform, (device.kind, dtype_kind, dims, memory_kind))
 
     def default_layout(self, device: pb.Device, dtype_kind: int, dims: tuple[int, ...], memory_kind: str) -> bytes:
-        """The device's default layout, answered whatever the state of its worker (see ``proxy.layouts``)."""
+        """The device's default layout, answered whatever the state of its worker (see ``proxy.layouts``).
+
+        Blocks (a pool thread's call) when its worker is asked (``layout_waits``); answers at once when known.
+        """
         command = pb.Command(layout_query=pb.LayoutQuery(dtype_kind=dtype_kind, dims=dims, device_id=device.local_id))
         return self._layouts.layout(
             device.platform,
@@ -548,20 +575,28 @@ class ClusterRuntime:
         )
 
     def close(self) -> None:
-        """Ends every session's leases and streams; anything waiting on a worker fails."""
-        self._closed = True
-        if self._watch_task is not None:
-            call_on(self.loop, self._watch_task.cancel)
-        for session in list(self._sessions):
-            session.release()
-        for link in self._control.values():
-            link.close()
+        """Ends every session's leases and streams, on the loop (the call does not wait for it: a proxy server's loop
+        may have stopped already, its sessions closed); anything waiting on a worker fails."""
+        self._closed = True  # (set once, read on the loop: nothing is compiled or forgotten after it)
+        loop = self._loop
+        if loop is not None:
+            call_on(loop, self._close_streams)
         if self._owns_loop:  # (a proxy server's loop closed the client as it stopped: ``stop_serving``)
             try:
                 run_on_loop(self.loop, self.rm.close).wait(CLOSE_WAIT_S)
             except TimeoutError:
                 _LOGGER.warning("the channel to the resource manager did not close in time")
             self.loop.call_soon_threadsafe(self.loop.stop)  # after the links' last callbacks on it
+
+    def _close_streams(self) -> None:
+        """Ends the watch, every session's leases and streams, and the control streams (on the loop)."""
+        self._closed = True
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+        for session in list(self._sessions):
+            session.release()
+        for link in self._control.values():
+            link.close()
 
 
 def _once(function: Callable[[], None]) -> Callable[[], None]:

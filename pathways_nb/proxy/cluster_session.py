@@ -10,7 +10,11 @@ is a facade over the session's concerns, each in a module of its own:
 - ``session_arrays.SessionArrays`` and ``session_programs.SessionPrograms``: what the handlers ask;
 - ``relocation``: its move to other devices while suspended (``proxy.suspension`` drives it).
 
-It depends on its cluster only through ``cluster_api.Cluster``.
+It depends on its cluster only through ``cluster_api.Cluster``. Its state is the proxy's event loop's:
+every call is the loop's, but the blocking ones a pool thread makes (``put_blocking``, ``put_shards_blocking``,
+``copy_blocking``, ``to_host``, ``compile``, ``cost_analysis``, ``program_text``, ``run_program``, and
+``default_layout`` where ``layout_waits``), which hand each step that touches the state to the loop
+(``loop_handoff.on_loop``) and wait off it.
 """
 
 from __future__ import annotations
@@ -120,7 +124,9 @@ class ClusterSession:
         return self.cluster.layout_waits(device, dtypes.from_numpy(dtype), tuple(dims), memory_kind)
 
     def default_layout(self, dtype: np.dtype, dims: Sequence[int], device_id: int, memory_kind: str = "") -> bytes:
-        device = self.streams.current(self.devices.device(device_id))
+        """Blocks (a pool thread's call) where ``layout_waits``; it reads the device's platform and kind, which no
+        move changes, and its worker is asked on the loop (``ClusterRuntime.query``)."""
+        device = self.devices.device(device_id)
         return self.cluster.default_layout(device, dtypes.from_numpy(dtype), tuple(dims), memory_kind)
 
     def ready(self, device_ids: Sequence[int]) -> Pending | None:
@@ -137,8 +143,14 @@ class ClusterSession:
     def put(self, host: np.ndarray, sharding: IfrtSharding):
         return self.arrays.put(host, sharding)
 
+    def put_blocking(self, host: np.ndarray, sharding: IfrtSharding):
+        return self.arrays.put_blocking(host, sharding)
+
     def put_shards(self, shape: tuple[int, ...], sharding: IfrtSharding, shards: Sequence[np.ndarray]):
         return self.arrays.put_shards(shape, sharding, shards)
+
+    def put_shards_blocking(self, shape: tuple[int, ...], sharding: IfrtSharding, shards: Sequence[np.ndarray]):
+        return self.arrays.put_shards_blocking(shape, sharding, shards)
 
     def assemble(self, shape: tuple[int, ...], sharding: IfrtSharding, singles: Sequence):
         return self.arrays.assemble(shape, sharding, singles)
@@ -148,6 +160,9 @@ class ClusterSession:
 
     def copy(self, value, sharding: IfrtSharding):
         return self.arrays.copy(value, sharding)
+
+    def copy_blocking(self, value, sharding: IfrtSharding):
+        return self.arrays.copy_blocking(value, sharding)
 
     def copy_blocks(self, value, sharding: IfrtSharding) -> bool:
         return self.arrays.copy_blocks(value, sharding)

@@ -4,6 +4,9 @@ A program runs where its devices are: on one island's workers, or, if they span 
 members of the group of those islands (``rm.groups``), which the proxy has the resource manager form
 when a program first needs it. An array over several islands lives on their group if it serves, else
 on the islands' own workers until a program over it moves it.
+
+The state it reads and changes (the session's devices, the cluster's groups) is the proxy's event loop's:
+every method is the loop's but ``where_waiting``, a pool thread's blocking call that hands its steps to the loop.
 """
 
 from __future__ import annotations
@@ -12,13 +15,11 @@ from collections.abc import Sequence
 
 from pathways_nb.core import tuning
 from pathways_nb.core.dataflow import Pending
-from pathways_nb.core.islands import group_name
-from pathways_nb.core.loop import on_loop_thread
 from pathways_nb.protocol.shardings import IfrtSharding
 from pathways_nb.proxy.cluster_api import Cluster, GroupPlacement
 from pathways_nb.proxy.device_map import DeviceMap
+from pathways_nb.proxy.loop_handoff import on_loop
 from pathways_nb.proxy.remote_arrays import PartedArray
-from pathways_nb.proxy.worker_link import WorkerLost
 from pathways_nb.rpc import cluster_pb2 as pb
 
 
@@ -29,23 +30,25 @@ class Placement:
         self.cluster = cluster
         self._devices = devices
 
-    def where(self, device_ids: Sequence[int]) -> dict[int, pb.Device]:
+    def where_waiting(self, device_ids: Sequence[int]) -> dict[int, pb.Device]:
         """Where a program over exactly ``device_ids`` runs: its devices' own worker if they are of one island,
         else each device's twin on the members of the group of their islands (``rm.groups``).
 
-        Off the loop this waits for the group to form; on the loop it must serve already (``ready``).
+        Blocks (a pool thread's call) while the group forms, up to its forming's timeout; fails with DATA_LOSS
+        naming a host that keeps the group from serving.
         """
+        loop = self.cluster.loop
+        devices, forming = on_loop(loop, self._forming, device_ids)
+        if forming is None:
+            return devices
+        group = forming.wait(tuning.GROUP_FORM_TIMEOUT_S.value + 60)
+        return on_loop(loop, self.members, group, device_ids)
+
+    def _forming(self, device_ids: Sequence[int]) -> tuple[dict[int, pb.Device], Pending | None]:
+        """The devices of one island, or the group of their islands (a pending placement) if they span several."""
         devices = self._devices.devices(device_ids)
         islands = {device.island for device in devices.values()}
-        if len(islands) <= 1:
-            return devices
-        placement = self.cluster.group(islands)
-        if not placement.done and on_loop_thread(self.cluster.loop):
-            raise WorkerLost(
-                f"the group of islands {group_name(islands)} is not serving now (it forms again once its hosts are "
-                "back). Programs over one island keep running"
-            )
-        return self.members(placement.wait(tuning.GROUP_FORM_TIMEOUT_S.value + 60), device_ids)
+        return (devices, None) if len(islands) <= 1 else (devices, self.cluster.group(islands))
 
     def placed(self, device_ids: Sequence[int]) -> dict[int, pb.Device]:
         """Where a new array over exactly ``device_ids`` is made: on the group of their islands if it serves

@@ -2,16 +2,19 @@
 
 They answer the calls a ``jax.Array`` answers in a single-process server
 (``delete``, ``is_deleted``, ``block_until_ready``), so the proxy's request
-handlers do not care where the devices are.
+handlers do not care where the devices are. ``block_until_ready`` is a pool
+thread's call (it waits); a ``delete`` off the loop, and a reference garbage
+collected on any thread (``WorkerLink.forget``), hand their id to the loop.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Sequence
 
 from pathways_nb.core import tuning
+from pathways_nb.core.dataflow import Pending
+from pathways_nb.core.loop import call_on
 from pathways_nb.protocol import dtypes
 from pathways_nb.protocol.errors import RequestError
 from pathways_nb.protocol.shardings import IfrtSharding
@@ -37,17 +40,18 @@ class RemoteArray:
         return math.prod(self.shape) * dtypes.to_numpy(self.kind).itemsize
 
     def delete(self) -> None:
+        """Frees the array on its worker: now on the loop, soon from another thread (a read that ended on a pool
+        thread deletes what was deleted while it read: ``ArrayRecord.end_read``)."""
         if not self._deleted:
             self._deleted = True
-            if self.link.alive:
-                self.link.send(pb.Command(forget=pb.Forget(ids=[self.array_id], delete=True)))
+            call_on(self.link.loop, self.link.delete, self.array_id)
 
     def is_deleted(self) -> bool:
         return self._deleted
 
     def block_until_ready(self) -> RemoteArray:
-        wait = pb.Command(wait=pb.Wait(ids=[self.array_id]))
-        self.link.result(self.link.request(wait, "wait"))
+        """Waits until the array is computed (blocks: a pool thread's call)."""
+        self.link.request_and_wait(pb.Command(wait=pb.Wait(ids=[self.array_id])), "wait")
         return self
 
     def __del__(self) -> None:
@@ -112,14 +116,15 @@ def explain_failure(error: RequestError, island_links: Sequence[WorkerLink]) -> 
 
     When a host dies mid-collective, the other hosts' results fail with the transport's own
     error (gloo: "Connection reset by peer"), which names neither island nor host. The dead
-    host's link says which host, and why, within moments of the death.
+    host's link says which host, and why, within moments of the death (``WorkerLink.loss``).
+    Blocks up to ``tuning.LOSS_EXPLAIN_WAIT_S``: a pool thread's call.
     """
     if isinstance(error, WorkerLost) or len(island_links) < 2:
         return error
-    deadline = time.monotonic() + tuning.LOSS_EXPLAIN_WAIT_S.value
-    while time.monotonic() < deadline:
-        lost = next((link.lost for link in island_links if link.lost is not None), None)
-        if lost is not None:
-            return lost
-        time.sleep(0.01)
-    return error
+    first_loss = Pending()
+    for link in island_links:
+        link.loss.on_done(lambda lost, _error: first_loss.resolve(lost))
+    try:
+        return first_loss.wait(tuning.LOSS_EXPLAIN_WAIT_S.value)
+    except TimeoutError:
+        return error

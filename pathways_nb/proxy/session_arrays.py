@@ -6,12 +6,17 @@ Where data moves:
 - device -> device on one worker: a copy on that worker;
 - device -> device across workers (islands): the source worker sends straight
   to the destination worker; the proxy only tells both what to do.
+
+Every method is the proxy's event loop's (the streams, ids and placement it changes are the loop's), but
+the ``..._blocking`` ones and ``to_host``: a pool thread's calls, which copy or wait off the loop and hand
+each step that touches the session's state to the loop (``loop_handoff.on_loop``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import Executor
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -20,10 +25,11 @@ from pathways_nb.core.convert import array_meta, status_of
 from pathways_nb.core.dataflow import Pending, fulfil
 from pathways_nb.core.runtime_api import check_assemble_parts
 from pathways_nb.protocol import dtypes
-from pathways_nb.protocol.errors import RequestError, as_request_error
+from pathways_nb.protocol.errors import Internal, RequestError, as_request_error
 from pathways_nb.protocol.shardings import IfrtSharding
 from pathways_nb.proxy.cluster_api import Cluster
 from pathways_nb.proxy.device_map import DeviceMap
+from pathways_nb.proxy.loop_handoff import on_loop
 from pathways_nb.proxy.placement import Placement, local_sharding
 from pathways_nb.proxy.remote_arrays import (
     MultiHostArray,
@@ -32,7 +38,7 @@ from pathways_nb.proxy.remote_arrays import (
     ShardedRemoteArray,
     explain_failure,
 )
-from pathways_nb.proxy.worker_link import WorkerLink
+from pathways_nb.proxy.worker_link import Upload, WorkerLink
 from pathways_nb.proxy.worker_streams import WorkerStreams
 from pathways_nb.rpc import cluster_pb2 as pb
 
@@ -47,32 +53,62 @@ class SessionArrays:
         self._placement = placement
 
     def put(self, host: np.ndarray, sharding: IfrtSharding):
+        """``host`` on the devices of ``sharding`` (on the loop: for small arrays, as it copies them here)."""
+        puts = self._puts(host, sharding)
+        return self._put_sent(puts, [piece.upload() for piece in puts.pieces])
+
+    def put_blocking(self, host: np.ndarray, sharding: IfrtSharding):
+        """``put``, with the bytes copied on this pool thread (blocks)."""
+        puts = on_loop(self.cluster.loop, self._puts, host, sharding)
+        uploads = [piece.upload() for piece in puts.pieces]
+        return on_loop(self.cluster.loop, self._put_sent, puts, uploads)
+
+    def put_shards(self, shape: tuple[int, ...], sharding: IfrtSharding, shards: Sequence[np.ndarray]):
+        """One array of ``shards`` (one per device of ``sharding``; on the loop: for small ones)."""
+        puts = self._shard_puts(shape, sharding, shards)
+        return self._put_sent(puts, [piece.upload() for piece in puts.pieces])
+
+    def put_shards_blocking(self, shape: tuple[int, ...], sharding: IfrtSharding, shards: Sequence[np.ndarray]):
+        """``put_shards``, with the bytes copied on this pool thread (blocks)."""
+        puts = on_loop(self.cluster.loop, self._shard_puts, shape, sharding, shards)
+        uploads = [piece.upload() for piece in puts.pieces]
+        return on_loop(self.cluster.loop, self._put_sent, puts, uploads)
+
+    def _puts(self, host: np.ndarray, sharding: IfrtSharding) -> _Puts:
+        """Where ``host``'s pieces go: one array of one worker, or one per device assembled (on the loop)."""
         where = self._placement.placed(sharding.device_ids)
         shape = tuple(host.shape)
         if len({device.worker_id for device in where.values()}) > 1:
-            parts = [
-                self._put_on(where[device_id], host[index], IfrtSharding((device_id,), sharding.memory_kind))
+            pieces = [
+                self._piece(where[device_id], host[index], IfrtSharding((device_id,), sharding.memory_kind))
                 for device_id, index in zip(sharding.device_ids, sharding.shard_indices(shape), strict=True)
             ]
-            return self.assemble(shape, sharding, parts)
-        return self._put_on(where[sharding.device_ids[0]], host, sharding, where)
+            return _Puts(pieces, shape, sharding, assembled=True)
+        return _Puts([self._piece(where[sharding.device_ids[0]], host, sharding, where)], shape, sharding)
 
-    def _put_on(self, device: pb.Device, host: np.ndarray, sharding: IfrtSharding, where=None) -> RemoteArray:
-        """``host`` as an array of ``device``'s worker, laid out by ``sharding`` (one device's, unless ``where``)."""
-        link = self._streams.link(device)
-        array_id = link.new_id()
-        kind, shape = dtypes.from_numpy(host.dtype), tuple(host.shape)
-        meta = array_meta(kind, shape, local_sharding(sharding, where or {sharding.device_ids[0]: device}))
-        link.put(array_id, meta, memoryview(np.ascontiguousarray(host).reshape(-1).view(np.uint8)))
-        return RemoteArray(link, array_id, kind, shape, sharding)
-
-    def put_shards(self, shape: tuple[int, ...], sharding: IfrtSharding, shards: Sequence[np.ndarray]):
+    def _shard_puts(self, shape: tuple[int, ...], sharding: IfrtSharding, shards: Sequence[np.ndarray]) -> _Puts:
         where = self._placement.placed(sharding.device_ids)
-        singles = [
-            self._put_on(where[device_id], shard, IfrtSharding((device_id,), sharding.memory_kind))
+        pieces = [
+            self._piece(where[device_id], shard, IfrtSharding((device_id,), sharding.memory_kind))
             for shard, device_id in zip(shards, sharding.device_ids, strict=True)
         ]
-        return self.assemble(shape, sharding, singles)
+        return _Puts(pieces, shape, sharding, assembled=True)
+
+    def _piece(self, device: pb.Device, host: np.ndarray, sharding: IfrtSharding, where=None) -> _Piece:
+        """``host`` as an array of ``device``'s worker to be, laid out by ``sharding`` (one device's, unless
+        ``where``): its stream and id (on the loop)."""
+        link = self._streams.link(device)
+        kind = dtypes.from_numpy(host.dtype)
+        meta = array_meta(kind, tuple(host.shape), local_sharding(sharding, where or {sharding.device_ids[0]: device}))
+        return _Piece(link, link.new_id(), kind, meta, host, sharding)
+
+    def _put_sent(self, puts: _Puts, uploads: Sequence[Upload]):
+        """Sends the pieces' uploads; the array they make (on the loop)."""
+        singles = []
+        for piece, upload in zip(puts.pieces, uploads, strict=True):
+            piece.link.put(upload)
+            singles.append(RemoteArray(piece.link, piece.array_id, piece.kind, tuple(piece.host.shape), piece.sharding))
+        return self.assemble(puts.shape, puts.sharding, singles) if puts.assembled else singles[0]
 
     def assemble(self, shape: tuple[int, ...], sharding: IfrtSharding, singles: Sequence):
         check_assemble_parts(sharding, [single.sharding.device_ids for single in singles])
@@ -138,8 +174,14 @@ class SessionArrays:
             for array_id, device_id in zip(ids, device_ids, strict=True)
         ]
 
+    def copy_blocking(self, value, sharding: IfrtSharding):
+        """The value laid out by ``sharding`` through the proxy, where no source shard holds some target shard
+        (``copy_blocks``): read, then put again (blocks)."""
+        return self.put_blocking(self.to_host(value), sharding)
+
     def copy(self, value, sharding: IfrtSharding):
-        """The value laid out by ``sharding``: on one worker, by sending between workers, or via the proxy."""
+        """The value laid out by ``sharding``, on one worker or by sending between workers (on the loop; a copy
+        that goes through the proxy is ``copy_blocking``)."""
         if isinstance(value, MultiHostArray):
             value = ShardedRemoteArray(self.disassemble(value, value.sharding), value.shape, value.sharding)
         where = self._placement.placed(sharding.device_ids)
@@ -199,8 +241,8 @@ class SessionArrays:
                 (i for i, region in enumerate(source_regions) if _contains(region, wanted)),
                 None,
             )
-            if holder is None:  # (``copy_blocks`` says so beforehand: the proxy runs this copy off its loop)
-                return self.put(self.to_host(value), sharding)
+            if holder is None:  # (``copy_blocks`` says so beforehand: such a copy is ``copy_blocking``)
+                raise Internal(f"target shard {device_id} is held by no source shard: the copy reads the value")
             relative = tuple(
                 slice(w.start - r.start, w.stop - r.start) for w, r in zip(wanted, source_regions[holder], strict=True)
             )
@@ -211,8 +253,10 @@ class SessionArrays:
         return self.assemble(shape, sharding, parts)
 
     def to_host(self, value) -> np.ndarray:
+        """The value's bytes, read from its workers (blocks: a pool thread's call)."""
         if isinstance(value, MultiHostArray):
-            value = ShardedRemoteArray(self.disassemble(value, value.sharding), value.shape, value.sharding)
+            singles = on_loop(self.cluster.loop, self.disassemble, value, value.sharding)
+            value = ShardedRemoteArray(singles, value.shape, value.sharding)
         if isinstance(value, ShardedRemoteArray):
             dtype = dtypes.to_numpy(value.parts[0].kind)
             host = np.empty(value.shape, dtype)
@@ -222,7 +266,8 @@ class SessionArrays:
         try:
             data = value.link.fetch(value.array_id)
         except RequestError as error:
-            raise explain_failure(error, self._streams.island_links(value.link.island)) from None
+            links = on_loop(self.cluster.loop, self._streams.island_links, value.link.island)
+            raise explain_failure(error, links) from None
         if value.kind == dtypes.STRING_KIND:
             return np.asarray(string_arrays.decode(data, value.shape))
         return np.frombuffer(data, dtypes.to_numpy(value.kind)).reshape(value.shape)
@@ -298,3 +343,30 @@ def _region(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ..
 
 def _contains(outer: tuple[slice, ...], inner: tuple[slice, ...]) -> bool:
     return all(o.start <= i.start and i.stop <= o.stop for o, i in zip(outer, inner, strict=True))
+
+
+@dataclass
+class _Piece:
+    """One array of one worker that a put makes: where, under which id, and its bytes (``_put_sent`` sends them)."""
+
+    link: WorkerLink
+    array_id: int
+    kind: int
+    meta: pb.ArrayMeta
+    host: np.ndarray
+    sharding: IfrtSharding
+
+    def upload(self) -> Upload:
+        """The piece's bytes as commands (any thread: they are copied)."""
+        data = memoryview(np.ascontiguousarray(self.host).reshape(-1).view(np.uint8))
+        return self.link.upload(self.array_id, self.meta, data)
+
+
+@dataclass
+class _Puts:
+    """A put's pieces, and whether they are assembled into one array (else there is one)."""
+
+    pieces: list[_Piece]
+    shape: tuple[int, ...]
+    sharding: IfrtSharding
+    assembled: bool = False

@@ -2,6 +2,10 @@
 
 XLA programs run on one island's workers, or on the members of the group of their islands; non-XLA
 programs (``core.nonxla``) run their host halves on the islands' own workers.
+
+``execute`` is the proxy's event loop's (it only queues commands); ``compile``, ``cost_analysis``,
+``program_text`` and ``run_program`` are pool threads' blocking calls, which wait off the loop and hand each
+step that touches the session's state to the loop (``loop_handoff.on_loop``).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from pathways_nb.protocol.errors import InvalidRequest, RequestError
 from pathways_nb.protocol.shardings import IfrtSharding
 from pathways_nb.proxy.cluster_api import Cluster, RemoteProgram
 from pathways_nb.proxy.device_map import DeviceMap
+from pathways_nb.proxy.loop_handoff import on_loop
 from pathways_nb.proxy.placement import Placement, local_sharding
 from pathways_nb.proxy.remote_arrays import (
     MultiHostArray,
@@ -57,9 +62,9 @@ class SessionPrograms:
 
     def compile(self, program: bytes, compile_options: bytes, device_ids: Sequence[int]) -> RemoteProgram:
         """Compiles for ``device_ids`` on every host they are on: an island's, or the members of the group of their
-        islands (blocks while the group forms: for the compile pool)."""
-        where = self._placement.where(device_ids)
-        devices = [self._streams.current(where[d]) for d in device_ids]
+        islands (blocks, while the group forms and the hosts compile: for the compile pool)."""
+        where = self._placement.where_waiting(device_ids)
+        devices = on_loop(self.cluster.loop, lambda: [self._streams.current(where[d]) for d in device_ids])
         # On an island (or group) of several hosts every host runs the program; jaxlib ids span them all.
         hosts = list({d.worker_id: d for d in sorted(devices, key=lambda d: d.host_index)}.values())
         local_ids = tuple(d.local_id for d in devices)
@@ -69,7 +74,7 @@ class SessionPrograms:
         )
 
     def _stand_in(self, hosts: Sequence[pb.Device], local_ids: Sequence[int]) -> pb.Device | None:
-        """A healthy worker that can compile a one-host program in its host's stead (None: none can).
+        """A healthy worker that can compile a one-host program in its host's stead (None: none can; on the loop).
 
         It has devices of the same platform and kind under the same local ids, so the program's
         compile options (in local ids) compile there to the same program.
@@ -88,6 +93,7 @@ class SessionPrograms:
         return None
 
     def execute(self, program: RemoteProgram, args: Sequence, keep: frozenset[int] = frozenset()) -> list:
+        """Queues the program's run on its host(s) (on the loop: nothing waits); its results, to be."""
         if len(program.hosts) > 1:
             return self._execute_on_hosts(program, args, keep)
         device = self._streams.current(self._devices.device(program.device_ids[0]))
@@ -176,14 +182,17 @@ class SessionPrograms:
     def _answering(self, program: RemoteProgram) -> pb.Device:
         """The host that answers questions about a compiled program: its first device's worker, or that
         device's twin on the group of the program's islands (blocks while the group forms)."""
-        return self._streams.current(self._placement.where(program.device_ids)[program.device_ids[0]])
+        first = self._placement.where_waiting(program.device_ids)[program.device_ids[0]]
+        return on_loop(self.cluster.loop, self._streams.current, first)
 
     def cost_analysis(self, program: RemoteProgram) -> dict[str, float]:
+        """XLA's cost analysis of the program, from the host that answers for it (blocks)."""
         device = self._answering(program)
         command = pb.Command(program_query=pb.ProgramQuery(program=self.cluster.compiled_on(program, device)))
         return dict(self.cluster.query(device, command, "program_query").costs.values)
 
     def program_text(self, program: RemoteProgram) -> str:
+        """The compiled program's text, from the host that answers for it (blocks)."""
         device = self._answering(program)
         program_id = self.cluster.compiled_on(program, device)
         command = pb.Command(program_query=pb.ProgramQuery(program=program_id, text=True))
@@ -198,6 +207,19 @@ class SessionPrograms:
         The host halves run on the islands' own workers: an argument that lives on a group of islands is sent
         there first.
         """
+        loop = self.cluster.loop
+        values, replies = on_loop(loop, self._send_run_program, plan, request, args, output_context)
+        for link, reply in replies:
+            try:
+                reply.wait()
+            except RequestError as error:
+                raise explain_failure(error, on_loop(loop, self._streams.island_links, link.island)) from None
+        return values
+
+    def _send_run_program(
+        self, plan: nonxla.ProgramPlan, request: bytes, args: Sequence, output_context: str
+    ) -> tuple[list, list]:
+        """Sends each host of ``plan`` its part (on the loop); the results to be, and each host's pending answer."""
         args = [self._arrays.off_groups(arg) for arg in args]
         plan_ids = dict.fromkeys((*plan.host_device_ids, *plan.device_ids))
         devices = [self._streams.current(self._devices.device(d)) for d in plan_ids]
@@ -225,12 +247,7 @@ class SessionPrograms:
                 session_device_ids=self._devices.colocated_on(run.link.worker_id),
             )
             replies.append((run.link, run.link.request(pb.Command(run_program=command), "run_program")))
-        for link, reply in replies:
-            try:
-                link.result(reply)
-            except RequestError as error:
-                raise explain_failure(error, self._streams.island_links(link.island)) from None
-        return values
+        return values, replies
 
     def _program_output(self, spec: nonxla.OutputSpec, runs: dict[str, _HostRun]):
         """One output of a non-XLA program, as results of the hosts that hold its devices (as puts lay arrays out)."""

@@ -1,6 +1,6 @@
 """A proxy session's command stream to one worker.
 
-Commands are queued without waiting, from any thread, and go out in batches:
+Commands are queued without waiting, on the proxy's event loop, and go out in batches:
 whatever has been queued when the stream's writer next runs goes in one
 message, so a burst of requests costs one message. Requests that want an
 answer get a ``Pending``. If the stream breaks (the worker died or restarted),
@@ -8,10 +8,14 @@ every waiting one and every later command fails with an error that names
 the island and host.
 
 The stream is a grpc.aio call on the proxy's own event loop (the one that
-serves its clients; see ``ClusterRuntime.serve_on``): a command queued on the
-loop costs no thread hop and no lock handoff, and one loop per process is
-what grpc.aio wants. Nothing on that loop may wait for a reply (it would wait
-for itself): ``result`` refuses to, and blocking work runs on the proxy's pools.
+serves its clients; see ``ClusterRuntime.serve_on``), and the link's state is
+that loop's alone: it is changed only there, with no lock. A command queued on
+the loop costs no thread hop, and one loop per process is what grpc.aio wants.
+Other threads reach the link in three ways only: ``forget`` (a finalizer's,
+from any thread) hands the id to the loop; ``upload`` (bytes made into
+commands, a pool's copy) touches nothing of the link's state; and the blocking
+calls for pool threads (``fetch``, ``request_and_wait``) hand their request to
+the loop (``loop_handoff.on_loop``) and wait off it for the reply.
 
 Array bytes go through shared memory when the worker is on this host (its
 host key equals ours, see ``pathways_nb.core.shared_memory``): the message carries
@@ -25,9 +29,9 @@ import asyncio
 import collections
 import itertools
 import logging
-import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -37,6 +41,7 @@ from pathways_nb.core.convert import error_of
 from pathways_nb.core.dataflow import Pending
 from pathways_nb.core.security import ClusterCredentials
 from pathways_nb.protocol.errors import DataLoss, RequestError, Unavailable
+from pathways_nb.proxy.loop_handoff import on_loop
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
 
@@ -54,6 +59,16 @@ class WorkerLost(DataLoss):
     """The worker of an island is gone: its arrays are lost, and work on it fails until a new one is back."""
 
 
+@dataclass
+class Upload:
+    """An array's bytes made into the commands that put them on a worker (``WorkerLink.upload``)."""
+
+    commands: list[pb.Command]
+    way: str  # "shared memory" or "gRPC"
+    nbytes: int
+    shared: list = field(default_factory=list)  # the file handed over, removed if it is never sent
+
+
 class WorkerLink:
     """One session's ordered command stream to one worker."""
 
@@ -67,7 +82,7 @@ class WorkerLink:
         cause: Callable[[], str] | None = None,
         on_output: Callable[[WorkerLink, list], None] | None = None,
     ):
-        """``loop``: the running event loop the stream lives on (any thread may call the link).
+        """``loop``: the running event loop the stream lives on, and the thread that makes and uses the link.
 
         ``on_events`` and ``on_output`` get the events and the output lines the worker sends (output
         before the replies of the same batch: a call's results are never ahead of what it wrote).
@@ -96,8 +111,6 @@ class WorkerLink:
         self._credentials = credentials or ClusterCredentials()
         # The worker's clock minus ours, as low as seen (network delay only makes it look larger).
         self.clock_offset = float("inf")
-        # Re-entrant: finalizers (``forget``) may run on any thread while it is held.
-        self._lock = threading.RLock()
         self._pending: list[pb.Command] = []
         self._forgotten: collections.deque[int] = collections.deque()
         self._wake_queued = False  # a wake-up of the writer is on its way (no second one is needed)
@@ -110,10 +123,13 @@ class WorkerLink:
         self._ids = itertools.count(1)
         self._requests = itertools.count(1)
         self._waiters: dict[int, tuple[Pending, list[bytes] | None]] = {}
-        self._loop = loop
+        self.loop = loop  # (where other threads hand the link their work)
         self._wakeup: asyncio.Event | None = None
         self._call = None
-        self._on_loop(self._open)
+        # Done with the error once the worker is lost (never, while it serves): what a pool thread that saw a
+        # failure on the island waits on a moment for its cause (``remote_arrays.explain_failure``).
+        self.loss = Pending()
+        self._open()
 
     def describe(self) -> str:
         return self.place or f"island {self.island} host {self.host_index} ({self.address})"
@@ -137,59 +153,71 @@ class WorkerLink:
     # -- sending ---------------------------------------------------------------------------
 
     def send(self, command: pb.Command) -> None:
-        """Queues a command; raises ``WorkerLost`` if the worker is gone."""
-        with self._lock:
-            if self._error is not None:
-                raise self._error
-            if self._closed:
-                raise Unavailable(f"the session's link to {self.describe()} is closed")
-            self._pending.append(command)
-            wake = self._queue_wake()
-        if wake:
-            self._on_loop(self._wake)
+        """Queues a command (on the loop); raises ``WorkerLost`` if the worker is gone."""
+        if self._error is not None:
+            raise self._error
+        if self._closed:
+            raise Unavailable(f"the session's link to {self.describe()} is closed")
+        self._pending.append(command)
+        if self._queue_wake():
+            self._wake()
 
-    def put(self, array_id: int, meta: pb.ArrayMeta, data: memoryview) -> None:
-        """Uploads row-major bytes as array ``array_id``: one file through shared memory, else in chunks."""
+    def delete(self, array_id: int) -> None:
+        """Has the worker free array ``array_id`` now (on the loop; nothing to do if the worker is gone)."""
+        if self.alive:
+            self.send(pb.Command(forget=pb.Forget(ids=[array_id], delete=True)))
+
+    def upload(self, array_id: int, meta: pb.ArrayMeta, data: memoryview) -> Upload:
+        """Row-major bytes as the commands that put them as array ``array_id``: one file through shared memory,
+        else chunks. Any thread (it copies, so large ones are a pool's work): it touches no state of the link's."""
         if self.shared_memory and data.nbytes >= tuning.SHARED_MEMORY_MIN_BYTES.value:
             # A client's upload the proxy kept as a file goes on as that file: no copy here.
             path = OUTBOX.hand_over(self._file_prefix, data) or OUTBOX.write(self._file_prefix, data)
             if path is not None:
                 shared = pb.SharedFile(path=str(path), size=data.nbytes)
-                try:
-                    self.send(pb.Command(put=pb.Put(id=array_id, meta=meta, shared=shared)))
-                except RequestError:
-                    shared_memory.discard(path)
-                    raise
-                self._count("shared memory", data.nbytes)
-                return
+                command = pb.Command(put=pb.Put(id=array_id, meta=meta, shared=shared))
+                return Upload([command], "shared memory", data.nbytes, [path])
         chunk = tuning.MESSAGE_CHUNK_BYTES.value
+        commands = []
         for start in range(0, max(data.nbytes, 1), chunk):
             end = min(start + chunk, data.nbytes)
             put = pb.Put(id=array_id, meta=meta, data=data[start:end].tobytes(), more=end < data.nbytes)
-            self.send(pb.Command(put=put))
-        self._count("gRPC", data.nbytes)
+            commands.append(pb.Command(put=put))
+        return Upload(commands, "gRPC", data.nbytes)
 
-    def _count(self, way: str, nbytes: int) -> None:
-        with self._lock:
-            self.moved[way] += nbytes
+    def put(self, upload: Upload) -> None:
+        """Sends an ``upload`` (on the loop); its file is removed if the worker is gone."""
+        try:
+            for command in upload.commands:
+                self.send(command)
+        except RequestError:
+            for path in upload.shared:
+                shared_memory.discard(path)
+            raise
+        self.moved[upload.way] += upload.nbytes
 
     def fetch(self, array_id: int) -> memoryview | bytearray:
-        """The row-major bytes of array ``array_id`` (waits for them); over gRPC if shared memory fails.
+        """The row-major bytes of array ``array_id``; over gRPC if shared memory fails.
 
-        The worker decides: a small array comes in the reply (``tuning.SHARED_MEMORY_MIN_BYTES``).
+        Blocks (a pool thread's call): the request goes out on the loop, the reply is waited for here. The worker
+        decides: a small array comes in the reply (``tuning.SHARED_MEMORY_MIN_BYTES``).
         """
         received = None
         if self.shared_memory:
             try:
                 fetch = pb.Command(fetch=pb.Fetch(id=array_id, shared_memory=True))
-                received = self.result(self.request(fetch, "fetch", collect_bytes=True))
+                received = self.request_and_wait(fetch, "fetch", collect_bytes=True)
             except shared_memory.NotShared as error:
                 _LOGGER.debug("array %d from %s: %s; fetching it over gRPC", array_id, self.describe(), error)
         if received is None:
-            received = self.result(self.request(pb.Command(fetch=pb.Fetch(id=array_id)), "fetch", collect_bytes=True))
+            received = self.request_and_wait(pb.Command(fetch=pb.Fetch(id=array_id)), "fetch", collect_bytes=True)
         if isinstance(received, list):  # the bytes came in messages
             return bytearray().join(received)  # one copy (here, not on the loop), and writable as the array it becomes
         return received
+
+    def request_and_wait(self, command: pb.Command, field: str, collect_bytes: bool = False):
+        """``request``, handed to the loop, and its reply (blocks: a pool thread's call, never the loop's)."""
+        return on_loop(self.loop, self.request, command, field, collect_bytes).wait()
 
     def fetch_in_reply(self, array_id: int) -> Pending:
         """Asks for the bytes of array ``array_id`` in the reply itself, without waiting for them.
@@ -199,32 +227,21 @@ class WorkerLink:
         """
         return self.request(pb.Command(fetch=pb.Fetch(id=array_id)), "fetch", collect_bytes=True)
 
-    def result(self, reply: Pending):
-        """Waits for a reply of this link; refused on the event loop the link lives on, which would wait for itself."""
-        if self._on_its_loop():
-            raise RuntimeError(
-                f"waiting for {self.describe()} on the event loop that reads its replies would never end; "
-                "this work belongs on the proxy's wait pool"
-            )
-        return reply.wait()
-
     def request(self, command: pb.Command, field: str, collect_bytes: bool = False) -> Pending:
-        """Queues a command that answers; the pending gets the reply (or the fetched bytes).
+        """Queues a command that answers (on the loop); the pending gets the reply (or the fetched bytes).
 
         Sets the request id in ``command`` itself: a command sent to several links is copied for each.
         """
         request_id = next(self._requests)
         getattr(command, field).request = request_id
         future = Pending()
-        with self._lock:
-            if self._error is not None:
-                raise self._error
-            self._waiters[request_id] = (future, [] if collect_bytes else None)
+        if self._error is not None:
+            raise self._error
+        self._waiters[request_id] = (future, [] if collect_bytes else None)
         try:
             self.send(command)
         except RequestError:
-            with self._lock:
-                self._waiters.pop(request_id, None)
+            self._waiters.pop(request_id, None)
             raise
         return future
 
@@ -233,55 +250,42 @@ class WorkerLink:
 
         Not at once: a read of the next value comes right after the client drops the last one
         (``destruct_array``), and the worker reads one message fewer before it if this rides along.
-        Called from finalizers, on any thread, at any moment (the lock is re-entrant).
+        Called from finalizers, on any thread, at any moment: the id is handed to the loop, in a turn of its
+        own (never in the middle of whatever the finalizer interrupted).
         """
-        with self._lock:
-            if not self._forgotten:
-                self._forgotten_since = time.monotonic()
-            self._forgotten.append(array_id)
-            schedule = not self._forget_timer_queued
+        try:
+            self.loop.call_soon_threadsafe(self._forgotten_now, array_id)
+        except RuntimeError:
+            pass  # the loop is closed: the process is ending, and the stream with it
+
+    def _forgotten_now(self, array_id: int) -> None:
+        if not self._forgotten:
+            self._forgotten_since = time.monotonic()
+        self._forgotten.append(array_id)
+        if not self._forget_timer_queued:
             self._forget_timer_queued = True
-        if schedule:
-            self._on_loop(lambda: self._loop.call_later(tuning.FORGET_DELAY_S.value, self._forget_timer_fired))
+            self.loop.call_later(tuning.FORGET_DELAY_S.value, self._forget_timer_fired)
 
     def _forget_timer_fired(self) -> None:
         """Forgotten ids that no command took along within ``tuning.FORGET_DELAY_S`` go alone; younger ones get
         the timer again. One timer at most: one per forget that rode along piled up while a chain both ran
         and dropped arrays, and their firings made a fifth to a half of the link's messages forgotten ids alone."""
-        with self._lock:
-            waited_s = time.monotonic() - self._forgotten_since
-            later_s = tuning.FORGET_DELAY_S.value - waited_s if self._forgotten else None
-            if later_s is not None and later_s > 0:
-                self._loop.call_later(later_s, self._forget_timer_fired)
-                return
-            self._forget_timer_queued = False
-            self._forget_due = later_s is not None
-            wake = self._forget_due and self._queue_wake()
-        if wake:
+        waited_s = time.monotonic() - self._forgotten_since
+        later_s = tuning.FORGET_DELAY_S.value - waited_s if self._forgotten else None
+        if later_s is not None and later_s > 0:
+            self.loop.call_later(later_s, self._forget_timer_fired)
+            return
+        self._forget_timer_queued = False
+        self._forget_due = later_s is not None
+        if self._forget_due and self._queue_wake():
             self._wake()
 
     def _queue_wake(self) -> bool:
-        """Whether the writer must be woken (under the lock): not if a wake-up is already on its way."""
+        """Whether the writer must be woken: not if a wake-up is already on its way."""
         if self._wake_queued:
             return False
         self._wake_queued = True
         return True
-
-    def _on_loop(self, function: Callable[[], None]) -> None:
-        """Runs ``function`` on the link's loop: now if this is its thread, else soon."""
-        if self._on_its_loop():
-            function()
-            return
-        try:
-            self._loop.call_soon_threadsafe(function)
-        except RuntimeError:
-            pass  # the loop is closed: the process is ending, and the stream with it
-
-    def _on_its_loop(self) -> bool:
-        try:
-            return asyncio.get_running_loop() is self._loop
-        except RuntimeError:  # no loop runs on this thread
-            return False
 
     def _wake(self) -> None:
         if self._wakeup is not None:
@@ -292,19 +296,17 @@ class WorkerLink:
         self._wakeup = asyncio.Event()
         self._channel = self._credentials.aio_channel(self.address, options=LINK_OPTIONS)
         self._call = cluster_pb2_grpc.WorkerStub(self._channel).Session(metadata=self._credentials.call_metadata())
-        self._tasks = (self._loop.create_task(self._write()), self._loop.create_task(self._read()))
+        self._tasks = (self.loop.create_task(self._write()), self.loop.create_task(self._read()))
 
     def _next_batch(self) -> tuple[pb.CommandBatch | None, bool]:
         """What is queued, as one message (None: nothing), and whether the stream takes no more after it."""
-        with self._lock:
-            commands, self._pending = self._pending, []
-            self._wake_queued = False
-            closed = self._closed or self._error is not None  # a broken stream takes no more
-            forgotten = []
-            if commands or self._forget_due:  # forgotten ids ride along, or go alone once due
-                self._forget_due = False
-                while self._forgotten:  # one at a time: a finalizer on this thread may add more meanwhile
-                    forgotten.append(self._forgotten.popleft())
+        commands, self._pending = self._pending, []
+        self._wake_queued = False
+        closed = self._closed or self._error is not None  # a broken stream takes no more
+        forgotten = []
+        if commands or self._forget_due:  # forgotten ids ride along, or go alone once due
+            self._forget_due = False
+            forgotten, self._forgotten = list(self._forgotten), collections.deque()
         if commands or forgotten:
             self.messages["commands" if commands else "forgotten ids alone"] += 1
         if forgotten:
@@ -360,18 +362,17 @@ class WorkerLink:
 
     def _deliver(self, reply: pb.Reply) -> None:
         kind = reply.WhichOneof("reply")
-        with self._lock:
-            entry = self._waiters.get(reply.request)
-            if entry is None:
-                if kind == "shared":
-                    shared_memory.discard(reply.shared.path)  # nobody waits for it any more
+        entry = self._waiters.get(reply.request)
+        if entry is None:
+            if kind == "shared":
+                shared_memory.discard(reply.shared.path)  # nobody waits for it any more
+            return
+        future, chunks = entry
+        if kind == "data" and chunks is not None:
+            chunks.append(reply.data)
+            if reply.more:
                 return
-            future, chunks = entry
-            if kind == "data" and chunks is not None:
-                chunks.append(reply.data)
-                if reply.more:
-                    return
-            del self._waiters[reply.request]
+        del self._waiters[reply.request]
         if kind == "error":
             future.fail(error_of(reply.error))
         elif kind == "shared":
@@ -381,9 +382,9 @@ class WorkerLink:
                 shared_memory.discard(reply.shared.path)
                 future.fail(error)
             else:
-                self._count("shared memory", reply.shared.size)
+                self.moved["shared memory"] += reply.shared.size
         elif chunks is not None and kind == "data":
-            self._count("gRPC", sum(len(chunk) for chunk in chunks))
+            self.moved["gRPC"] += sum(len(chunk) for chunk in chunks)
             future.resolve(chunks)  # joined by the waiter (``fetch``), off the loop
         else:
             future.resolve(reply)
@@ -401,40 +402,40 @@ class WorkerLink:
         return detail
 
     def declare_lost(self, detail: str) -> None:
-        """The worker is gone (the stream broke, or the cluster says so): every waiter and later command fails."""
+        """The worker is gone (the stream broke, or the cluster says so; on the loop): every waiter and later command
+        fails."""
         where = "the group" if self.place else f"island {self.island}"
         error = WorkerLost(
             f"{self.describe()} is unreachable ({detail}); arrays on {where} are lost and "
             f"work on it fails until it is back. Other islands keep serving"
         )
         _LOGGER.warning("%s", error.message)
-        with self._lock:
-            self._error = error
-            self._lost_at = time.monotonic()
-            waiters, self._waiters = self._waiters, {}
-        self._on_loop(self._wake)  # the writer ends the stream's sending side
+        self._error = error
+        self._lost_at = time.monotonic()
+        waiters, self._waiters = self._waiters, {}
+        self._wake()  # the writer ends the stream's sending side
         for future, _data in waiters.values():
             future.fail(error)
+        self.loss.resolve(error)
         OUTBOX.remove(self._file_prefix)  # uploads the worker will never take
 
     def close(self) -> None:
-        """Ends the stream (the worker drops the session's arrays); pending requests fail.
+        """Ends the stream (on the loop; the worker drops the session's arrays); pending requests fail.
 
         The worker still sends the session's last timeline events and output (up to
         ``tuning.SESSION_END_EVENTS_WAIT_S`` later), which the reader takes before the stream ends.
         """
-        with self._lock:
-            self._closed = True
-            waiters, self._waiters = self._waiters, {}
+        self._closed = True
+        waiters, self._waiters = self._waiters, {}
         for future, _data in waiters.values():
             future.fail(Unavailable(f"the session's link to {self.describe()} was closed"))
-        self._on_loop(self._end_sending)
+        self._end_sending()
         OUTBOX.remove(self._file_prefix)
 
     def _end_sending(self) -> None:
         """The writer ends the stream's sending side; the rest of it is cut if the worker does not end it in time."""
         self._wake()
-        self._loop.call_later(tuning.SESSION_END_EVENTS_WAIT_S.value + 1.0, self._shut)
+        self.loop.call_later(tuning.SESSION_END_EVENTS_WAIT_S.value + 1.0, self._shut)
 
     def _shut(self) -> None:
         if self._tasks[1].done():
@@ -442,4 +443,4 @@ class WorkerLink:
         for task in self._tasks:
             task.cancel()
         self._call.cancel()
-        self._loop.create_task(self._channel.close())
+        self.loop.create_task(self._channel.close())

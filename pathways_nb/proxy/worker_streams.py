@@ -1,9 +1,12 @@
-"""A proxy session's command streams to its workers: one ``WorkerLink`` per worker, opened (again) when needed."""
+"""A proxy session's command streams to its workers: one ``WorkerLink`` per worker, opened (again) when needed.
+
+Owned by the proxy's event loop, like the links themselves: every method is the loop's (pool threads hand
+their steps to it with ``loop_handoff.on_loop``), so no lock guards the table of streams.
+"""
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Sequence
 
 from pathways_nb.core import tuning
@@ -36,20 +39,10 @@ class WorkerStreams:
         self.output = output  # what the session's code beside the devices writes (None: nowhere)
         self._devices = devices
         self._links: dict[str, WorkerLink] = {}
-        self._lock = threading.Lock()
 
     def current(self, device: pb.Device) -> pb.Device:
         """The device's worker as the cluster knows it now (it may have restarted since the allocation)."""
-        worker = self.cluster.worker(device.worker_id)
-        if worker is None or (worker.incarnation == device.incarnation and worker.healthy == device.healthy):
-            return device
-        current = pb.Device()
-        current.CopyFrom(device)
-        current.incarnation = worker.incarnation
-        current.worker_address = worker.address
-        current.healthy = worker.healthy
-        current.host_key = worker.host_key
-        return current
+        return self.cluster.current(device)
 
     def link(self, device: pb.Device) -> WorkerLink:
         """This session's stream to the device's worker, opened (again) when needed.
@@ -60,28 +53,27 @@ class WorkerStreams:
         stream's alone, and a new one is opened: the arrays of the old one are lost either way.
         """
         device = self.current(device)
-        with self._lock:
-            link = self._links.get(device.worker_id)
-            if link is not None and (link.alive or link.incarnation == device.incarnation):
-                if link.alive:
-                    return link
-                if not (self._healthy(device) and link.lost_for_s() > tuning.RELINK_AFTER_S.value):
-                    link.send(pb.Command())  # raises the WorkerLost error that ended it
-            if not device.healthy:
-                raise self.cluster.down(device)
-            if link is not None:
-                link.close()
-            link = WorkerLink(
-                device,
-                f"{self.cluster.key}-s{self.session_id}-{device.incarnation}",
-                self.cluster.loop,
-                self._worker_events,
-                on_output=self._worker_output,
-                credentials=self.cluster.credentials,
-                cause=lambda: self.cluster.down_reason(device.worker_id, device.incarnation),
-            )
-            self._links[device.worker_id] = link
-            return link
+        link = self._links.get(device.worker_id)
+        if link is not None and (link.alive or link.incarnation == device.incarnation):
+            if link.alive:
+                return link
+            if not (self._healthy(device) and link.lost_for_s() > tuning.RELINK_AFTER_S.value):
+                link.send(pb.Command())  # raises the WorkerLost error that ended it
+        if not device.healthy:
+            raise self.cluster.down(device)
+        if link is not None:
+            link.close()
+        link = WorkerLink(
+            device,
+            f"{self.cluster.key}-s{self.session_id}-{device.incarnation}",
+            self.cluster.loop,
+            self._worker_events,
+            on_output=self._worker_output,
+            credentials=self.cluster.credentials,
+            cause=lambda: self.cluster.down_reason(device.worker_id, device.incarnation),
+        )
+        self._links[device.worker_id] = link
+        return link
 
     def _healthy(self, device: pb.Device) -> bool:
         """Whether the cluster finds the device's worker process (that incarnation) healthy now."""
@@ -90,17 +82,14 @@ class WorkerStreams:
 
     def get(self, worker_id: str) -> WorkerLink | None:
         """The stream to the worker, as it is (None: none was opened)."""
-        with self._lock:
-            return self._links.get(worker_id)
+        return self._links.get(worker_id)
 
     def island_links(self, island: int) -> list[WorkerLink]:
         """This session's links to the hosts of ``island``."""
-        with self._lock:
-            return [link for link in self._links.values() if link.island == island]
+        return [link for link in self._links.values() if link.island == island]
 
     def alive(self) -> list[WorkerLink]:
-        with self._lock:
-            return [link for link in self._links.values() if link.alive]
+        return [link for link in self._links.values() if link.alive]
 
     def _worker_events(self, link: WorkerLink, events: list[pb.Event]) -> None:
         """Events a worker reported, in the session's device ids."""
@@ -143,15 +132,12 @@ class WorkerStreams:
     @property
     def uses_groups(self) -> bool:
         """Whether a stream leads to a member of a group of islands."""
-        with self._lock:
-            return any(link.group for link in self._links.values())
+        return any(link.group for link in self._links.values())
 
     def draining_hosts(self) -> list[str]:
         """The hosts being drained where the session keeps arrays (it has a stream to their workers)."""
-        with self._lock:
-            links = list(self._links.values())
         found = []
-        for link in links:
+        for link in self._links.values():
             worker = self.cluster.worker(link.worker_id)
             if link.alive and worker is not None and worker.draining:
                 found.append(f"island {worker.island} host {worker.host_index}")
@@ -159,17 +145,15 @@ class WorkerStreams:
 
     def drop(self, links: Sequence[WorkerLink]) -> None:
         """Ends the streams to workers the session moved away from (their sessions there end, and their copies)."""
-        with self._lock:
-            for link in links:
-                if self._links.get(link.worker_id) is link:
-                    del self._links[link.worker_id]
+        for link in links:
+            if self._links.get(link.worker_id) is link:
+                del self._links[link.worker_id]
         for link in links:
             link.close()
 
     def close(self) -> None:
         """Ends every stream (the workers drop the session's arrays)."""
-        with self._lock:
-            links, self._links = list(self._links.values()), {}
+        links, self._links = list(self._links.values()), {}
         for link in links:
             link.close()
 

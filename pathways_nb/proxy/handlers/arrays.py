@@ -115,14 +115,15 @@ def make_array_from_host_buffer(session, request, op_id):
     session.add_new_arrays([handle], [record], f"array {handle} ({dtype}{list(shape)})")
     started = time.time()
 
-    def put(data):
-        return session.runtime.put(_host_array(data, dtype, shape, strides), sharding)
+    def put(data, off_loop: bool):
+        put_on = _blocking(session.runtime, "put") if off_loop else session.runtime.put
+        return put_on(_host_array(data, dtype, shape, strides), sharding)
 
     def arrived(data, error):
         if error is not None:
             record.fail(error)
             return
-        _put_when_arrived(session, record, lambda: put(data), data.nbytes)
+        _put_when_arrived(session, record, lambda off_loop: put(data, off_loop), data.nbytes)
         _record_transfer(session, "upload", f"{dtype}{list(shape)}", sharding, started, data.nbytes)
 
     session.when_done(upload, arrived)
@@ -172,10 +173,11 @@ def _make_from_shards(session, handle: int, spec, uploads: list[Pending]) -> Non
                 f"a host buffer of {buffer_dtype}{list(buffer_shape)} for shards of {dtype}{list(shard_shape)}"
             )
 
-    def put():
+    def put(off_loop: bool):
         hosts = [_host_array(u.value, *s) for u, s in zip(uploads, buffer_specs, strict=True)]
         shards = [hosts[owners[i]] for i in range(len(sharding.device_ids))]
-        return session.runtime.put_shards(shape, sharding, shards)
+        put_on = _blocking(session.runtime, "put_shards") if off_loop else session.runtime.put_shards
+        return put_on(shape, sharding, shards)
 
     def all_arrived(error):
         if error is not None:
@@ -186,8 +188,15 @@ def _make_from_shards(session, handle: int, spec, uploads: list[Pending]) -> Non
     when_all(uploads, lambda error: session.on_loop(lambda: all_arrived(error)))
 
 
+def _blocking(runtime, name: str):
+    """The runtime's call ``name`` for a pool thread: ``name_blocking`` where ``name`` is the event loop's (a cluster
+    session's: it hands its steps to the loop and waits), else ``name`` (a single-process session's calls block)."""
+    return getattr(runtime, f"{name}_blocking", None) or getattr(runtime, name)
+
+
 def _put_when_arrived(session, record: ArrayRecord, put, nbytes: int) -> None:
-    """Sets ``record`` to ``put()``'s device value: on the wait pool for a large upload, else at once."""
+    """Sets ``record`` to ``put(off_loop)``'s device value: on the wait pool for a large upload (the runtime's
+    blocking put), else at once on the loop."""
 
     def done(value, error) -> None:
         if error is not None:
@@ -196,10 +205,10 @@ def _put_when_arrived(session, record: ArrayRecord, put, nbytes: int) -> None:
             record.set(value)
 
     if nbytes >= tuning.OFF_LOOP_BYTES.value:
-        session.in_background(put, done)
+        session.in_background(lambda: put(True), done)
         return
     try:
-        value, error = put(), None
+        value, error = put(False), None
     except RequestError as failure:
         value, error = None, failure
     done(value, error)
@@ -298,11 +307,13 @@ def _derive(
     semantics: int,
     new_memory: bool = True,
     blocks=lambda: False,
+    make_blocking=None,
 ) -> int:
     """Adds ``record`` under ``handle`` and fills it with ``make()`` once ``inputs`` are ready.
 
     ``new_memory``: the result takes memory of its own (not a view of an input's), so it counts against the quota.
-    ``blocks()``: whether ``make`` waits for devices (then it runs off the event loop, on the wait pool).
+    ``blocks()``: whether making it waits for devices (then ``make_blocking`` runs off the event loop, on the
+    wait pool, instead of ``make``).
     """
     handle = handle or session.server_handle()
     if new_memory:
@@ -322,7 +333,7 @@ def _derive(
 
     def work():
         if blocks():
-            session.in_background(make, finish)
+            session.in_background(make_blocking, finish)
         else:
             finish(make(), None)
 
@@ -410,6 +421,7 @@ def _move_all(session, sources: list[ArrayRecord], targets: list[IfrtSharding], 
                 lambda s=source, t=target: session.runtime.copy(s.live(), t),
                 semantics,
                 blocks=lambda s=source, t=target: session.runtime.copy_blocks(s.live(), t),
+                make_blocking=lambda s=source, t=target: _blocking(session.runtime, "copy")(s.live(), t),
             )
         )
     return handles_out
