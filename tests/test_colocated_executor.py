@@ -29,13 +29,13 @@ from jax import tree_util
 from jax._src.lib import xla_client
 from jax.experimental.colocated_python import serialization
 
+from pathways_nb.colocated.executors import ArrayShards, ColocatedHostLink, ExecutorDied, ResultShape
 from pathways_nb.core.security import ClusterCredentials, generate_token
 from pathways_nb.launch.processes import ChildServer
 from pathways_nb.protocol.errors import RequestError
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
 from pathways_nb.testing import other_users_python, wait_until
-from pathways_nb.worker.executors import ArrayShards, ColocatedHostLink, ExecutorDied, ResultShape
 
 F32 = 11
 DEADLINE_S = 60

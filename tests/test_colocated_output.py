@@ -20,10 +20,10 @@ import psutil
 import pytest
 
 from pathways_nb.client.observe import Observer
+from pathways_nb.colocated.executor.output import LineStream, OutputChannel
+from pathways_nb.colocated.host_output import ExecutorOutput
 from pathways_nb.core import colocated_output, tuning
 from pathways_nb.errors import PathwaysError
-from pathways_nb.executor.output import LineStream, OutputChannel
-from pathways_nb.launch.executor_output import ExecutorOutput
 from pathways_nb.testing import KernelSession
 
 PLACED = re.compile(r"^\[island (\d) host (\d)\] (.*)$", re.M)

@@ -62,7 +62,7 @@ def executors(cluster: LocalCluster) -> list[psutil.Process]:
     for host in cluster.colocated_hosts.values():
         for child in psutil.Process(host.process.pid).children():
             try:
-                if "pathways_nb.executor" in " ".join(child.cmdline()):
+                if "pathways_nb.colocated.executor" in " ".join(child.cmdline()):
                     found.append(child)
             except psutil.NoSuchProcess:
                 pass

@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from pathways_nb.colocated import OFF, PROGRAM_TYPE
-from pathways_nb.core import colocated_arrays, nonxla
+from pathways_nb.colocated import arrays as colocated_arrays
+from pathways_nb.core import nonxla
 from pathways_nb.protocol import shardings
 from pathways_nb.protocol.errors import FailedPrecondition, InvalidRequest
 from pathways_nb.rpc import cluster_pb2 as pb

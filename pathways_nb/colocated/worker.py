@@ -2,7 +2,7 @@
 
 The proxy half (``colocated.proxy``) checked the call and sent this host a ``ColocatedCall``; the
 host half (``ColocatedPythonHost.run``) hands the program and this host's argument shards to the
-session's executor (``worker.executors``), and makes its results arrays of this worker again, on
+session's executor (``colocated.executors``), and makes its results arrays of this worker again, on
 the same colocated CPU devices. Device ids: local on the worker's side, the cluster's on the
 executor's, as jax's pickled shardings name them.
 """
@@ -16,12 +16,13 @@ from typing import Any
 import numpy as np
 
 from pathways_nb.colocated import OFF, PROGRAM_TYPE
-from pathways_nb.core import colocated_arrays, nonxla
+from pathways_nb.colocated import arrays as colocated_arrays
+from pathways_nb.colocated.executors import ArrayShards, ColocatedHostLink, ResultShape
+from pathways_nb.core import nonxla
 from pathways_nb.core.security import ClusterCredentials
 from pathways_nb.core.string_arrays import StringArray
 from pathways_nb.protocol.errors import FailedPrecondition, InvalidRequest
 from pathways_nb.rpc import cluster_pb2 as pb
-from pathways_nb.worker.executors import ArrayShards, ColocatedHostLink, ResultShape
 
 
 class ColocatedPythonHost(nonxla.HostHalf):

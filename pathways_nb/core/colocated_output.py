@@ -1,6 +1,6 @@
 """What a tenant's code beside the devices writes, on its way to the tenant's notebook: the bounds and the format.
 
-A colocated Python executor (``pathways_nb.executor``) writes its Python output and logging records as
+A colocated Python executor writes its Python output and logging records as
 records, one JSON object a line, on a pipe to its host (``pathways-nb colocated-host``), which also reads
 the executor's own stdout and stderr (what C libraries and processes it starts write there). The host
 bounds them, and sends them to the worker, the worker to the proxy, the proxy to the client that made

@@ -20,7 +20,7 @@ Each (kind, key) has two halves, one for each side:
 
 This module holds what both sides share: the request parsing, the plan and its executions, and the
 registry's type (``ProgramHalves``). Each side builds its own registry from an explicit list of its
-halves (``proxy/program_kinds.py``, ``worker/program_kinds.py``); this module names none of them.
+halves (its ``program_kinds`` module); this module names none of them.
 Anything a client sends that no half serves is refused with INVALID_ARGUMENT, and for plugin
 programs the text says "Bad PluginProgram" (what pathwaysutils looks for) and lists the keys served.
 """
@@ -179,9 +179,9 @@ class HostContext:
     tenant: str = ""
     # The worker's key of the session the program runs for ("" where there is none).
     session: str = ""
-    # This host's colocated Python (``colocated.worker.ColocatedPython``; None: the cluster runs none).
+    # This host's colocated Python (the worker's ``ColocatedPython``; None: the cluster runs none).
     colocated: Any = None
-    # Where what the program's user code writes goes (``worker.executors.LineSink``; None: nowhere), and
+    # Where what the program's user code writes goes (the worker's ``LineSink``; None: nowhere), and
     # the client's output context of the call, which tags it (``pathways_nb.v1.OutputLine.context``).
     output: Any = None
     output_context: str = ""
@@ -234,7 +234,7 @@ class HostHalf:
     ) -> list:
         """One value per entry of ``results`` (this host's parts), from ``args``.
 
-        ``runtime``: the host's ``worker.runtime.LocalRuntime``; ``args``: per argument, this host's
+        ``runtime``: the host's ``LocalRuntime``; ``args``: per argument, this host's
         local pieces of it (jax arrays on its devices);
         ``device_ids``: this host's devices among the plan's ``host_device_ids`` (local ids).
         """

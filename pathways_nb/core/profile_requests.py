@@ -1,8 +1,8 @@
 """What each traced process of a profile (``profileRequest``) is told, and what it does with it.
 
-The proxy half (``proxy/profiles.py``) turns pathwaysutils' request into one JSON request per
+The proxy half of ``profileRequest`` turns pathwaysutils' request into one JSON request per
 execution, ``{"action": "start" | "stop" | "abort", "trace": ..., "location": ..., ...}``; each
-traced process runs it with ``run_trace``: the hosts (``worker/profiles.py``), and the proxy itself
+traced process runs it with ``run_trace``: the hosts (the host half), and the proxy itself
 with ``includeResourceManagers``. Both sides use this module.
 """
 

@@ -1,5 +1,5 @@
 """``pathways-nb colocated-host``: the colocated Python executors of one host, started by a process of their own
-(``launch.colocated_host``), beside its worker.
+(``colocated.host``), beside its worker.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathways_nb.core import security
 
 def add_parser(commands, common: argparse.ArgumentParser) -> None:
     """The ``colocated-host`` command, among ``commands``; ``common``: every command's flags."""
-    from pathways_nb.launch.colocated_host import DEFAULT_UID_BASE
+    from pathways_nb.colocated.host import DEFAULT_UID_BASE
 
     colocated = commands.add_parser(
         "colocated-host",
@@ -41,7 +41,7 @@ def add_parser(commands, common: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Serves until stopped; the process's exit status."""
-    from pathways_nb.launch.colocated_host import ColocatedHostServer, choose_policy
+    from pathways_nb.colocated.host import ColocatedHostServer, choose_policy
     from pathways_nb.launch.processes import serve_until_stopped
 
     started = time.monotonic()

@@ -200,7 +200,7 @@ def other_users_python() -> str | None:
     is closed to them): the host's own probe decides. Tests pass it as ``colocated_python_executable``
     and expect tenants kept apart exactly when it is not None.
     """
-    from pathways_nb.launch.colocated_host import choose_policy
+    from pathways_nb.colocated.host import choose_policy
 
     candidate = f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"
     if os.geteuid() != 0 or not os.access(candidate, os.X_OK):

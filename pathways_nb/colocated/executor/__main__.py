@@ -1,4 +1,4 @@
-"""``python -m pathways_nb.executor``: started by the host's supervisor, never by hand.
+"""``python -m pathways_nb.colocated.executor``: started by the host's supervisor, never by hand.
 
 With ``--user``, its first act is to become that user (and group, with no other groups): the
 supervisor starts it as itself, because a process with gRPC's threads must not fork and then
@@ -6,7 +6,7 @@ change users before ``exec`` (gRPC's fork handlers crash the child), while start
 without changing anything lets Python use ``vfork``. It ends with its supervisor (the kernel's
 parent-death signal, set after the user changed, which clears it) and on SIGTERM; it says it
 serves by writing a line to ``--ready_fd``, and writes its Python output and logging records, tagged
-with their calls, to ``--output_fd`` (``pathways_nb.executor.output``). ``--probe`` only checks that
+with their calls, to ``--output_fd`` (``pathways_nb.colocated.executor.output``). ``--probe`` only checks that
 the user can import what an executor needs (the interpreter and its libraries must be readable by
 other users).
 """
@@ -43,7 +43,7 @@ def _end_with_parent(parent: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pathways_nb.executor")
+    parser = argparse.ArgumentParser(prog="python -m pathways_nb.colocated.executor")
     parser.add_argument("--user", type=int, default=None, help="the uid (and gid) to run as")
     parser.add_argument("--probe", action="store_true", help="only check that this user can import jax")
     parser.add_argument("--socket", help="unix socket path to serve on")
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--devices", help="cluster ids of the host's colocated CPU devices, a,b,...")
     parser.add_argument("--parent", type=int, help="the supervisor's pid")
     parser.add_argument("--ready_fd", type=int, help="write a line here once serving")
-    parser.add_argument("--output_fd", type=int, help="write output records here (pathways_nb.executor.output)")
+    parser.add_argument("--output_fd", type=int, help="write output records here (colocated.executor.output)")
     args = parser.parse_args(argv)
     if args.user is not None:
         _become(args.user)
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return 0
     _end_with_parent(args.parent)
-    from pathways_nb.executor.output import OutputChannel, capture
+    from pathways_nb.colocated.executor.output import OutputChannel, capture
 
     channel = OutputChannel(args.output_fd)
     capture(channel)
@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", len(device_ids))
 
-    from pathways_nb.executor.programs import ColocatedDevices
-    from pathways_nb.executor.service import ExecutorService
+    from pathways_nb.colocated.executor.programs import ColocatedDevices
+    from pathways_nb.colocated.executor.service import ExecutorService
     from pathways_nb.rpc import cluster_pb2_grpc
 
     devices = ColocatedDevices(device_ids)

@@ -3,7 +3,7 @@
 The host reads three pipes of each executor as fast as they fill (a pipe left full would stall the
 tenant's code): its stdout and stderr, where anything may write (C libraries, processes it starts,
 ``os.write``), and its records pipe, where its Python writes lines and logging records tagged with
-their calls (``pathways_nb.executor.output``). Nothing goes to disk. Lines within the session's budget
+their calls (``pathways_nb.colocated.executor.output``). Nothing goes to disk. Lines within the session's budget
 (``core.colocated_output``: the same the executor keeps, enforced here) wait for the worker, at most
 ``tuning.OUTPUT_HOST_BUFFER_LINES`` of them; the others are counted per call and reported, as one line, when that
 call ends or every ``tuning.OUTPUT_DROP_REPORT_INTERVAL_S``. The last lines, whatever the budget, stay for the

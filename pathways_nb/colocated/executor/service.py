@@ -12,10 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
-from pathways_nb.core import colocated_arrays
+from pathways_nb.colocated import arrays as colocated_arrays
+from pathways_nb.colocated.executor.output import OutputChannel
+from pathways_nb.colocated.executor.programs import ColocatedDevices, Programs, call, check_client_versions, make_args
 from pathways_nb.core.convert import status_of
-from pathways_nb.executor.output import OutputChannel
-from pathways_nb.executor.programs import ColocatedDevices, Programs, call, check_client_versions, make_args
 from pathways_nb.protocol.errors import InvalidRequest, as_request_error
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc

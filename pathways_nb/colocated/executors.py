@@ -4,7 +4,7 @@ The worker never runs a tenant's Python: it asks its host's ``ColocatedHost`` fo
 first time a session runs a colocated program, keeps that ``Executor`` call open for the
 session's life (ending it stops the executor), and sends the session's calls to the executor one
 at a time, in order. What the executor writes comes on the host's call, bounded by the host
-(``launch.executor_output``); the worker hands it to the session's stream to the proxy, and answers
+(``colocated.host_output``); the worker hands it to the session's stream to the proxy, and answers
 a call only once the call's output is on its way (the host says when it has all of it), so that a
 client that waited for a call's results finds its output at the proxy. An executor that dies fails
 the call it was running with what the host saw (signal or exit status, its last output); the next
@@ -19,13 +19,15 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 import numpy as np
 
-from pathways_nb.core import colocated_arrays, tuning
+from pathways_nb.colocated import arrays as colocated_arrays
+from pathways_nb.core import tuning
 from pathways_nb.core.convert import error_of
 from pathways_nb.core.security import ClusterCredentials
 from pathways_nb.protocol.errors import FailedPrecondition, InvalidRequest, RequestError, Unavailable
@@ -265,8 +267,11 @@ class ColocatedHostLink:
         self._channel = credentials.channel(address)
         self._stub = cluster_pb2_grpc.ColocatedHostStub(self._channel)
         self._describe_host = describe_host
+        # The sessions' executors: the pool threads that run calls make them, and a session's end stops its
+        # executor on this link's own thread (the worker's loop hands it over), so the loop never takes the lock.
         self._lock = threading.Lock()
         self._executors: dict[str, SessionExecutor] = {}
+        self._ends = ThreadPoolExecutor(1, thread_name_prefix="pathways-executor-ends")
 
     def executor(
         self, session: str, tenant: str, device_ids: Sequence[int], output: LineSink | None = None
@@ -281,12 +286,17 @@ class ColocatedHostLink:
             return executor
 
     def end_session(self, session: str) -> None:
+        """The session ended (the worker's loop says so): its executor stops, on this link's thread."""
+        self._ends.submit(self._end_session, session)
+
+    def _end_session(self, session: str) -> None:
         with self._lock:
             executor = self._executors.pop(session, None)
         if executor is not None:
             executor.close()
 
     def close(self) -> None:
+        self._ends.shutdown(wait=True)  # (the sessions' ends first: none is left to a thread that is gone)
         with self._lock:
             executors, self._executors = list(self._executors.values()), {}
         for executor in executors:

@@ -4,8 +4,8 @@
 and ``pathways-nb up --colocated_python`` start one per host; on Kubernetes it is a sidecar
 container of the worker's pod, sharing its ``/dev/shm``). The worker holds one
 ``ColocatedHost.Executor`` call per session that runs colocated Python: the host starts an
-executor (``python -m pathways_nb.executor``) for it, says where it listens, sends what it writes
-(bounded: ``launch.executor_output``), reports it if it dies, and stops it when the call ends: the
+executor (``python -m pathways_nb.colocated.executor``) for it, says where it listens, sends what it writes
+(bounded: ``colocated.host_output``), reports it if it dies, and stops it when the call ends: the
 session ended, or its worker died.
 
 Each executor runs a tenant's code, so it gets as little as the host can give it:
@@ -43,11 +43,11 @@ from pathlib import Path
 import grpc
 import psutil
 
+from pathways_nb.colocated.host_output import ExecutorOutput
 from pathways_nb.core import shared_memory, tuning
 from pathways_nb.core.aio_server import BackgroundServer
+from pathways_nb.core.exit_status import exit_description
 from pathways_nb.core.security import ClusterCredentials
-from pathways_nb.launch.executor_output import ExecutorOutput
-from pathways_nb.launch.processes import exit_description
 from pathways_nb.rpc import cluster_pb2 as pb
 from pathways_nb.rpc import cluster_pb2_grpc
 
@@ -122,7 +122,7 @@ def _probe_as_other_user(python: str, uid: int, host_packages: bool) -> str:
         os.chmod(directory, 0o755)  # the probe's user reads the path it is given there
         try:
             result = subprocess.run(
-                [python, "-m", "pathways_nb.executor", "--user", str(uid), "--probe"],
+                [python, "-m", "pathways_nb.colocated.executor", "--user", str(uid), "--probe"],
                 env=_executor_env(Path(directory), host_packages),
                 cwd="/",
                 capture_output=True,
@@ -278,7 +278,7 @@ class ColocatedHostService(cluster_pb2_grpc.ColocatedHostServicer):
         directory = self.root / name
         directory.mkdir(mode=0o700)
         ready_read, ready_write = os.pipe()
-        # Its stdout, its stderr and its records pipe (``launch.executor_output``): this host's to read and close.
+        # Its stdout, its stderr and its records pipe (``colocated.host_output``): this host's to read and close.
         (stdout_read, stdout_write), (stderr_read, stderr_write), (records_read, records_write) = pipes = [
             os.pipe() for _ in range(3)
         ]
@@ -290,7 +290,7 @@ class ColocatedHostService(cluster_pb2_grpc.ColocatedHostServicer):
                 [
                     self.policy.python,
                     "-m",
-                    "pathways_nb.executor",
+                    "pathways_nb.colocated.executor",
                     "--socket",
                     str(directory / "executor.sock"),
                     "--directory",
@@ -305,7 +305,7 @@ class ColocatedHostService(cluster_pb2_grpc.ColocatedHostServicer):
                     str(records_write),
                     *(["--user", str(uid)] if uid != os.getuid() else []),
                 ],
-                # Started as this user: it changes users itself (see pathways_nb.executor.__main__).
+                # Started as this user: it changes users itself (see pathways_nb.colocated.executor.__main__).
                 stdin=subprocess.DEVNULL,
                 stdout=stdout_write,
                 stderr=stderr_write,
