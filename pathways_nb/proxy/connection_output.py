@@ -9,13 +9,16 @@ session options carried (``pathways_nb.connect`` makes one); a session without a
 client) has no connection output: nobody could read it. The connection's current context (the
 notebook cell its calls come from, ``SwitchOutputContext``) is stamped on its colocated calls as the
 proxy receives them, and comes back on their lines.
+
+All of it lives on the proxy's event loop, which owns it: the worker links' readers add lines, sessions
+open and release their connection's output, Executes read its context and the observe API reads its
+lines, all there. Nothing else touches it, so it takes no lock.
 """
 
 from __future__ import annotations
 
 import collections
 import hmac
-import threading
 from collections.abc import Callable, Sequence
 
 from pathways_nb.core import colocated_output, tuning
@@ -50,7 +53,6 @@ class ConnectionOutput:
             maxlen=tuning.OUTPUT_WORKER_HISTORY_LINES.value
         )
         self._sequence = 0
-        self._lock = threading.Lock()
 
     @property
     def latest(self) -> int:
@@ -67,29 +69,26 @@ class ConnectionOutput:
 
     def add(self, island: int, host_index: int, lines: Sequence[pb.OutputLine]) -> None:
         """Lines a worker (of ``island``, ``host_index``) sent for one of the connection's sessions."""
-        with self._lock:
-            for line in lines:
-                line.island, line.host_index = island, host_index
-                if line.stream == colocated_output.WORKER:
-                    self._worker_lines.append(line)
-                    continue
-                self._sequence += 1
-                line.sequence = self._sequence
-                self._lines.append(line)
-                self._bytes += len(line.text)
-            while self._lines and (len(self._lines) > self._history_lines or self._bytes > self._history_bytes):
-                self._bytes -= len(self._lines.popleft().text)
+        for line in lines:
+            line.island, line.host_index = island, host_index
+            if line.stream == colocated_output.WORKER:
+                self._worker_lines.append(line)
+                continue
+            self._sequence += 1
+            line.sequence = self._sequence
+            self._lines.append(line)
+            self._bytes += len(line.text)
+        while self._lines and (len(self._lines) > self._history_lines or self._bytes > self._history_bytes):
+            self._bytes -= len(self._lines.popleft().text)
 
     def after(self, sequence: int) -> pb.OutputLines:
         """The lines after number ``sequence`` that it still holds (the latest line always)."""
-        with self._lock:
-            lines = [line for line in self._lines if line.sequence > sequence]
-            return pb.OutputLines(lines=lines, latest=self._sequence)
+        lines = [line for line in self._lines if line.sequence > sequence]
+        return pb.OutputLines(lines=lines, latest=self._sequence)
 
     def worker_lines(self) -> pb.OutputLines:
         """The workers' latest lines about the connection's programs."""
-        with self._lock:
-            return pb.OutputLines(lines=list(self._worker_lines), latest=self._sequence)
+        return pb.OutputLines(lines=list(self._worker_lines), latest=self._sequence)
 
 
 class ConnectionOutputs:
@@ -97,33 +96,29 @@ class ConnectionOutputs:
 
     def __init__(self) -> None:
         self._outputs: list[ConnectionOutput] = []
-        self._lock = threading.Lock()
 
     def open(self, tenant: str, secret: bytes) -> ConnectionOutput | None:
         """The output of the connection a new session belongs to (None for a session that sent no secret)."""
         if not secret:
             return None
-        with self._lock:
-            output = self._find(tenant, secret)
-            if output is None:
-                output = ConnectionOutput(tenant, secret)
-                self._outputs.append(output)
-            output.sessions += 1
-            return output
+        output = self._find(tenant, secret)
+        if output is None:
+            output = ConnectionOutput(tenant, secret)
+            self._outputs.append(output)
+        output.sessions += 1
+        return output
 
     def release(self, output: ConnectionOutput) -> None:
         """One of its sessions ended; the last one's end forgets its output."""
-        with self._lock:
-            output.sessions -= 1
-            if output.closed and output in self._outputs:
-                self._outputs.remove(output)
+        output.sessions -= 1
+        if output.closed and output in self._outputs:
+            self._outputs.remove(output)
 
     def find(self, tenant: str, secret: bytes) -> ConnectionOutput | None:
         """The output of the connection that ``tenant`` and ``secret`` name (None: no such connection here)."""
         if not tenant or not secret:
             return None
-        with self._lock:
-            return self._find(tenant, secret)
+        return self._find(tenant, secret)
 
     def _find(self, tenant: str, secret: bytes) -> ConnectionOutput | None:
         for output in self._outputs:
