@@ -111,7 +111,6 @@ class StopRequest:
         return f"on {signal.Signals(signum).name}" if signum else "because its launcher exited"
 
 
-
 def serve_until_stopped(server, message: str, started: float, port_file: str | None, stop=None) -> int:
     """In a server's process (``pathways-nb proxy``, ``worker``, ...): announces ``server``, started at
     ``started`` (``time.monotonic()``), and stops it on SIGINT/SIGTERM, when its launcher dies, or when it fails
@@ -125,6 +124,7 @@ def serve_until_stopped(server, message: str, started: float, port_file: str | N
     logging.getLogger("pathways_nb").info("stopping %s", stop.wait())
     server.stop()
     return 1 if stop.failure is not None else 0
+
 
 # How every pathways-nb command logs (``cli.main``), and what in such a log reports an error: a record
 # at ERROR or above, or a traceback that nothing logged (a thread's, or the process's own end).
