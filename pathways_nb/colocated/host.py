@@ -145,9 +145,7 @@ def _executor_env(directory: Path, host_packages: bool) -> dict[str, str]:
     not). An interpreter of another version finds ``pathways_nb`` alone, through a link in
     ``directory``: the directory that holds ``pathways_nb`` may hold the host's packages too.
     """
-    import pathways_nb
-
-    package = Path(pathways_nb.__file__).resolve().parent
+    package = Path(__file__).resolve().parent.parent  # pathways_nb
     if host_packages:
         paths = [str(package.parent), *site.getsitepackages()]
     else:

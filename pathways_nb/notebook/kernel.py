@@ -15,8 +15,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from ipykernel.ipkernel import IPythonKernel
 from ipykernel.kernelapp import IPKernelApp
 
-import pathways_nb
-from pathways_nb.client.connection import ADDRESS_ENV
+from pathways_nb._version import __version__
+from pathways_nb.client.connection import ADDRESS_ENV, connect
+from pathways_nb.errors import PathwaysError
 
 HINT = (
     "Pathways kernel: not connected. Run %pathways connect ADDRESS, or %pathways connect local to start a cluster here."
@@ -25,8 +26,8 @@ HINT = (
 
 class PathwaysKernel(IPythonKernel):
     implementation = "pathways-nb"
-    implementation_version = pathways_nb.__version__
-    banner = f"Python 3 (Pathways) - pathways-nb {pathways_nb.__version__}"
+    implementation_version = __version__
+    banner = f"Python 3 (Pathways) - pathways-nb {__version__}"
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -35,9 +36,9 @@ class PathwaysKernel(IPythonKernel):
         address = os.environ.get(ADDRESS_ENV)
         if address:
             try:
-                session = pathways_nb.connect(address)
+                session = connect(address)
                 message = f"Pathways kernel: connected to {session.address} ({len(session.devices)} devices)."
-            except pathways_nb.PathwaysError as error:
+            except PathwaysError as error:
                 message = f"Pathways kernel: could not connect to ${ADDRESS_ENV}={address}: {error}"
         self._first_cell_message = message
         self.shell.events.register("pre_run_cell", self._say_once)

@@ -26,7 +26,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.display import display
 
-import pathways_nb
+from pathways_nb.client import connection, profiles
 from pathways_nb.core.command_line import ArgumentParser
 from pathways_nb.errors import PathwaysError
 from pathways_nb.notebook import cell_output
@@ -141,7 +141,7 @@ class PathwaysMagics(Magics):
         print(__doc__.split("\n\n")[1])
 
     def _connect(self, args) -> None:
-        current = pathways_nb.current()
+        current = connection.current()
         if current is not None:
             raise UsageError(f"already connected to {current.address}: run %pathways disconnect first")
         cluster = None
@@ -159,7 +159,7 @@ class PathwaysMagics(Magics):
                 raise UsageError(f"%pathways connect local: {error}") from None
             address = cluster.address
         try:
-            session = pathways_nb.connect(
+            session = connection.connect(
                 address,
                 timeout_s=args.timeout,
                 exclusive=args.exclusive,
@@ -179,14 +179,14 @@ class PathwaysMagics(Magics):
         self.monitor.watch(session)
         display(session)
 
-    def _session(self) -> pathways_nb.Session:
-        session = pathways_nb.current()
+    def _session(self) -> connection.Session:
+        session = connection.current()
         if session is None:
             raise UsageError(NOT_CONNECTED)
         return session
 
     def _disconnect(self, args) -> None:
-        session = pathways_nb.current()
+        session = connection.current()
         if session is None:
             print("not connected")
             return
@@ -196,7 +196,7 @@ class PathwaysMagics(Magics):
                 view_stop()
         self.views.clear()
         self.monitor.watch(None)
-        pathways_nb.disconnect()
+        connection.disconnect()
         print(f"disconnected from {session.address}; JAX uses this machine's devices again")
 
     def _status(self, args) -> None:
@@ -251,7 +251,7 @@ class PathwaysMagics(Magics):
     def _profile(self, args, cell: str):
         """Runs the cell inside ``pathways_nb.profile``; its result (the ``Profile``) shows what the devices did."""
         self._session()
-        with pathways_nb.profile(
+        with profiles.profile(
             args.logdir, hosts=args.hosts, include_servers=not args.no_servers, python_tracer=args.python
         ) as run:
             result = self.shell.run_cell(cell)
