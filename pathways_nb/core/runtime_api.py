@@ -299,6 +299,20 @@ class DeviceSession(Protocol):
 
     def copy(self, value, sharding: IfrtSharding) -> DeviceValue: ...
 
+    def put_blocking(self, host: np.ndarray, sharding: IfrtSharding) -> DeviceValue:
+        """``put`` for a pool thread (a large upload): ``put`` itself is the event loop's."""
+        ...
+
+    def put_shards_blocking(
+        self, shape: tuple[int, ...], sharding: IfrtSharding, shards: Sequence[np.ndarray]
+    ) -> DeviceValue:
+        """``put_shards`` for a pool thread."""
+        ...
+
+    def copy_blocking(self, value, sharding: IfrtSharding) -> DeviceValue:
+        """``copy`` for a pool thread, where ``copy_blocks`` says it waits for the devices."""
+        ...
+
     def ready(self, device_ids: Sequence[int]) -> Pending | None:
         """What a program over ``device_ids`` must wait for before it is compiled or run (their islands' group
         forming), or None; it fails with the reason the group cannot serve."""

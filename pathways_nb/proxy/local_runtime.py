@@ -116,6 +116,10 @@ class LocalSession:
         self.assemble = runtime.assemble
         self.disassemble = runtime.disassemble
         self.copy = runtime.copy
+        # This process's jax takes them from any thread: the pool's calls are the same functions.
+        self.put_blocking = runtime.put
+        self.put_shards_blocking = runtime.put_shards
+        self.copy_blocking = runtime.copy
         self.compile = runtime.compile
         self.cost_analysis = runtime.cost_analysis
         self.program_text = runtime.program_text

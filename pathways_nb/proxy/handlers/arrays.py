@@ -116,7 +116,7 @@ def make_array_from_host_buffer(session, request, op_id):
     started = time.time()
 
     def put(data, off_loop: bool):
-        put_on = _blocking(session.runtime, "put") if off_loop else session.runtime.put
+        put_on = session.runtime.put_blocking if off_loop else session.runtime.put
         return put_on(_host_array(data, dtype, shape, strides), sharding)
 
     def arrived(data, error):
@@ -176,7 +176,7 @@ def _make_from_shards(session, handle: int, spec, uploads: list[Pending]) -> Non
     def put(off_loop: bool):
         hosts = [_host_array(u.value, *s) for u, s in zip(uploads, buffer_specs, strict=True)]
         shards = [hosts[owners[i]] for i in range(len(sharding.device_ids))]
-        put_on = _blocking(session.runtime, "put_shards") if off_loop else session.runtime.put_shards
+        put_on = session.runtime.put_shards_blocking if off_loop else session.runtime.put_shards
         return put_on(shape, sharding, shards)
 
     def all_arrived(error):
@@ -186,12 +186,6 @@ def _make_from_shards(session, handle: int, spec, uploads: list[Pending]) -> Non
         _put_when_arrived(session, record, put, sum(u.value.nbytes for u in uploads))
 
     when_all(uploads, lambda error: session.on_loop(lambda: all_arrived(error)))
-
-
-def _blocking(runtime, name: str):
-    """The runtime's call ``name`` for a pool thread: ``name_blocking`` where ``name`` is the event loop's (a cluster
-    session's: it hands its steps to the loop and waits), else ``name`` (a single-process session's calls block)."""
-    return getattr(runtime, f"{name}_blocking", None) or getattr(runtime, name)
 
 
 def _put_when_arrived(session, record: ArrayRecord, put, nbytes: int) -> None:
@@ -421,7 +415,7 @@ def _move_all(session, sources: list[ArrayRecord], targets: list[IfrtSharding], 
                 lambda s=source, t=target: session.runtime.copy(s.live(), t),
                 semantics,
                 blocks=lambda s=source, t=target: session.runtime.copy_blocks(s.live(), t),
-                make_blocking=lambda s=source, t=target: _blocking(session.runtime, "copy")(s.live(), t),
+                make_blocking=lambda s=source, t=target: session.runtime.copy_blocking(s.live(), t),
             )
         )
     return handles_out
