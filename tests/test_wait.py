@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 
 import pytest
 
 from pathways_nb import testing
-from pathways_nb.core.wait import poll, wait_until
+from pathways_nb.core.wait import poll, poll_on_loop, wait_until
 
 
 def test_the_tests_wait_is_the_library_s():
@@ -49,3 +50,19 @@ def test_poll_says_whether_the_condition_held_and_with_no_deadline_waits_until_i
     assert poll(lambda: "draining", 0, holds=lambda s: s == "drained") == ("draining", False)
     counter = itertools.count()
     assert poll(lambda: next(counter), None, holds=lambda n: n == 5, interval_s=0) == (5, True)
+
+
+def test_poll_on_loop_lets_the_loop_serve_between_calls():
+    served = []
+
+    async def main():
+        asyncio.get_running_loop().call_later(0.02, served.append, "other work")
+        return await poll_on_loop(lambda: served[:], 5, interval_s=0.005)
+
+    value, held = asyncio.run(main())
+    assert held and value == ["other work"]
+
+
+def test_poll_on_loop_gives_up_at_its_deadline_with_the_last_value():
+    value, held = asyncio.run(poll_on_loop(lambda: 0, 0.02, interval_s=0.005))
+    assert (value, held) == (0, False)

@@ -13,7 +13,6 @@ import logging
 import os
 import socket
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -24,9 +23,9 @@ from pathways_nb.client import jax_plugin, remote_output, tables
 from pathways_nb.client.observe import Observer, ObserveUnavailable
 from pathways_nb.client.timeline import DeviceLabel, Timeline
 from pathways_nb.core import tuning
-from pathways_nb.core.retry import Backoff
 from pathways_nb.core.security import generate_token, token_from_env
 from pathways_nb.core.session_options import SessionOptions, default_tenant
+from pathways_nb.core.wait import wait_until
 from pathways_nb.errors import ConnectionFailed, PathwaysError
 from pathways_nb.rpc import cluster_pb2 as pb
 
@@ -394,21 +393,27 @@ def _check_listening(address: str, timeout_s: float) -> None:
     """
     host, _, port = address.removeprefix("grpc://").rpartition(":")
     host = host.strip("[]")
-    deadline = time.monotonic() + tuning.CONNECT_REFUSED_RETRY_S.value
-    backoff, wait_s = Backoff(first_s=0.05, max_s=0.5), None
-    while True:
+
+    def refusal() -> OSError | None:
+        """Why nothing answered, or None once something accepts (or takes longer than a refusal would)."""
         try:
             socket.create_connection((host, int(port)), timeout=min(timeout_s, 5.0)).close()
-            return
         except socket.gaierror as e:
             raise ConnectionFailed(address, timeout_s, f"the host name {host!r} does not resolve ({e})") from None
         except TimeoutError:
-            return
+            return None
         except OSError as e:
-            if time.monotonic() > deadline:
-                raise ConnectionFailed(address, timeout_s, f"nothing is listening there ({e.strerror or e})") from None
-        wait_s = backoff.after(wait_s)
-        time.sleep(wait_s)
+            return e
+        return None
+
+    wait_until(
+        refusal,
+        tuning.CONNECT_REFUSED_RETRY_S.value,
+        f"a server listening at {address}",
+        holds=lambda error: error is None,
+        interval_s=0.1,
+        timeout_error=lambda e: ConnectionFailed(address, timeout_s, f"nothing is listening there ({e.strerror or e})"),
+    )
 
 
 def _showing_the_wait(work: Callable[[], T], address: str, tenant: str, token: str | None, progress: bool) -> T:

@@ -3,12 +3,13 @@
 Launchers wait for a child's port file, a cluster's workers to register, a Slurm job to serve or
 end; an operator's ``drain --wait`` for a host to empty; tests (``pathways_nb.testing.wait_until``,
 this same function) for anything. Each polls what it waits for and never sleeps a fixed time in its
-place. A wait that can be told (a future, an event, a stream) awaits that instead. Blocking: never
-call it on an event loop.
+place. A wait that can be told (a future, an event, a stream) awaits that instead. ``poll`` and
+``wait_until`` block: never call them on an event loop, where ``poll_on_loop`` is the same wait.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -40,6 +41,22 @@ def poll(
         if deadline is not None and time.monotonic() >= deadline:
             return value, False
         time.sleep(interval_s)
+
+
+async def poll_on_loop(
+    condition: Callable[[], T],
+    timeout_s: float,
+    *,
+    holds: Callable[[T], object] = bool,
+    interval_s: float = 0.01,
+) -> tuple[T, bool]:
+    """``poll`` for a coroutine on an event loop: the loop serves everything else between the calls."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if holds(value) or time.monotonic() >= deadline:
+            return value, bool(holds(value))
+        await asyncio.sleep(interval_s)
 
 
 def wait_until(

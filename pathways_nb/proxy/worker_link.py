@@ -40,6 +40,7 @@ from pathways_nb.core.aio_server import SERVER_OPTIONS
 from pathways_nb.core.convert import error_of
 from pathways_nb.core.dataflow import Pending
 from pathways_nb.core.security import ClusterCredentials
+from pathways_nb.core.wait import poll_on_loop
 from pathways_nb.protocol.errors import DataLoss, RequestError, Unavailable
 from pathways_nb.proxy.loop_handoff import on_loop
 from pathways_nb.rpc import cluster_pb2 as pb
@@ -391,15 +392,10 @@ class WorkerLink:
 
     async def _cause_of_loss(self, detail: str) -> str:
         """``detail``, or the cluster's reason for the loss if it arrives within a moment of the broken stream."""
-        deadline = time.monotonic() + tuning.LOSS_CAUSE_WAIT_S.value
-        while self._cause is not None:
-            cause = self._cause()
-            if cause:
-                return cause
-            if time.monotonic() > deadline:
-                break
-            await asyncio.sleep(0.01)
-        return detail
+        if self._cause is None:
+            return detail
+        cause, _ = await poll_on_loop(self._cause, tuning.LOSS_CAUSE_WAIT_S.value)
+        return cause or detail
 
     def declare_lost(self, detail: str) -> None:
         """The worker is gone (the stream broke, or the cluster says so; on the loop): every waiter and later command
