@@ -9,6 +9,9 @@ thread no CPU) is not a server's fault; a callback that blocks is, and must be n
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -80,3 +83,29 @@ def test_a_switch_refuses_a_word_it_does_not_know(monkeypatch):
     unread = tuning.Setting(tuning.EVENT_LOOP.name, "uvloop", "", tuning.EVENT_LOOP.choices)  # (not read yet)
     with pytest.raises(ValueError, match="PATHWAYS_EVENT_LOOP='tokio' is not one of uvloop, asyncio"):
         _ = unread.value
+
+
+def test_a_loop_thread_given_no_cpu_is_counted_as_waiting_for_one_not_as_a_callback(watched):
+    """On a loaded machine the loop's thread can be caught anywhere, a callback's first line too, while it waits
+    for a core: the kernel's count of its time in the run queue says so, and such a stall fails no test."""
+    loop, watchdog = watched
+    native = asyncio.run_coroutine_threadsafe(_native_id(), loop).result(10)
+    core = min(os.sched_getaffinity(0))
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        os.sched_setaffinity(spinner.pid, {core})
+        os.sched_setaffinity(native, {core})
+        os.sched_setscheduler(native, os.SCHED_IDLE, os.sched_param(0))  # runs only when the core has nothing else
+        loop.call_soon_threadsafe(lambda: None)  # something for it to do when it can
+        stats = wait_until(watchdog.stats, 30, "a stall recorded", holds=lambda s: s.stalls >= 1)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    os.sched_setscheduler(native, os.SCHED_OTHER, os.sched_param(0))
+    os.sched_setaffinity(native, os.sched_getaffinity(0))
+    assert stats.stalls_in_callbacks == 0, stats
+    assert any("waiting for a CPU" in stall.where for stall in stats.longest), stats
+
+
+async def _native_id() -> int:
+    return threading.get_native_id()

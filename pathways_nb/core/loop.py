@@ -15,8 +15,13 @@ the loop's own: the watchdog measures how deep a callback starts (its first tick
 stack shallower than that is the loop's own code. uvloop's loop is C, so waiting there leaves no
 frame of a selector to see, only the thread's entry; asyncio's waits in ``selectors.py``. When the
 watchdog's own thread did not get to look (the whole process stalled: a fork, a long call that
-holds the GIL), the loop thread's CPU time over the stall tells which. Servers answer
-``Diagnostics.GetLoopStats`` with the counts, which tests and benchmarks read.
+holds the GIL), the loop thread's CPU time over the stall tells which. Where the kernel says how
+long the loop's thread waited in its run queue (Linux's ``schedstat``), a stall it spent mostly
+there is the machine's, whatever the stack shows: on a loaded machine a thread caught entering a
+callback is waiting for a core, not blocked in it, and a callback that really blocks sleeps instead.
+Callback stalls are kept apart from the others, so that longer waits for a CPU never push them out
+of the stats. Servers answer ``Diagnostics.GetLoopStats`` with the counts, which tests and
+benchmarks read.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from pathways_nb.rpc import cluster_pb2 as pb
 
 _LOGGER = logging.getLogger(__name__)
 
-# Stalls kept for the stats, the longest first.
+# Stalls kept for the stats, of each kind (in callbacks, not), the longest first.
 _KEPT_STALLS = 8
 # Frames of the loop's thread named in a stall's ``where``.
 _WHERE_FRAMES = 6
@@ -131,6 +136,8 @@ class LoopWatchdog:
         self._started = time.monotonic()
         self._last_tick = self._started
         self._last_cpu = 0.0  # the loop thread's CPU time at its last tick
+        self._last_queued = 0.0  # how long the loop thread had waited in the run queue at its last tick (s)
+        self._schedstat: str | None = None  # where the kernel counts that, if it does
         self._loop_thread: int | None = None
         self._callback_depth = 0  # the depth of the loop thread's stack in a callback (its first tick's)
         self._seen: tuple[float, str, bool] | None = None  # the stall under way: (its last tick, where, in a callback)
@@ -139,7 +146,8 @@ class LoopWatchdog:
         self._in_callbacks = 0
         self._total_s = 0.0
         self._longest_callback_s = 0.0
-        self._longest: list[tuple[float, float, bool, str]] = []  # a min-heap of (seconds, ended, ...)
+        # Min-heaps of (seconds, ended, in_callback, where): stalls in callbacks, and the others.
+        self._longest: dict[bool, list[tuple[float, float, bool, str]]] = {True: [], False: []}
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._watch, name=f"pathways-watchdog-{process}", daemon=True)
 
@@ -158,25 +166,41 @@ class LoopWatchdog:
     def _first_tick(self) -> None:
         self._loop_thread = threading.get_ident()
         self._callback_depth = _depth(sys._getframe())
+        self._schedstat = f"/proc/self/task/{threading.get_native_id()}/schedstat"
+        self._last_queued = self._queued_s()
         self._tick()
 
+    def _queued_s(self) -> float:
+        """How long the loop's thread has waited for a CPU in all (s); 0 where the kernel does not say."""
+        if self._schedstat is None:
+            return 0.0
+        try:
+            with open(self._schedstat) as counts:
+                return int(counts.read().split()[1]) / 1e9
+        except (OSError, IndexError, ValueError):
+            self._schedstat = None
+            return 0.0
+
     def _tick(self) -> None:
-        now, cpu = time.monotonic(), time.thread_time()
+        now, cpu, queued = time.monotonic(), time.thread_time(), self._queued_s()
         late_s = now - self._last_tick - self._tick_s
         if late_s >= self._stall_s:
-            self._record(late_s, (cpu - self._last_cpu) > late_s / 2)
-        self._last_tick, self._last_cpu = now, cpu
+            self._record(late_s, (cpu - self._last_cpu) > late_s / 2, (queued - self._last_queued) > late_s / 2)
+        self._last_tick, self._last_cpu, self._last_queued = now, cpu, queued
         if not self._stopped.is_set():
             self._loop.call_later(self._tick_s, self._tick)
 
-    def _record(self, seconds: float, computing: bool) -> None:
-        """A stall of ``seconds``; ``computing``: the loop's thread was busy on a CPU for most of it."""
+    def _record(self, seconds: float, computing: bool, starved: bool = False) -> None:
+        """A stall of ``seconds``; ``computing``: the loop's thread was busy on a CPU for most of it; ``starved``:
+        it waited in the run queue for most of it (the machine's load, not the loop's doing)."""
         seen = self._seen
         self._seen = None
         if seen is not None:
             where, in_callback = seen[1], seen[2] or computing
         else:
             where, in_callback = "(not seen: the watchdog's thread stalled too)", computing
+        if starved:
+            where, in_callback = f"(waiting for a CPU for most of it) {where}", False
         ended = time.time()
         with self._lock:
             self._stalls += 1
@@ -184,11 +208,11 @@ class LoopWatchdog:
             if in_callback:
                 self._in_callbacks += 1
                 self._longest_callback_s = max(self._longest_callback_s, seconds)
-            entry = (seconds, ended, in_callback, where)
-            if len(self._longest) < _KEPT_STALLS:
-                heapq.heappush(self._longest, entry)
+            entry, kept = (seconds, ended, in_callback, where), self._longest[in_callback]
+            if len(kept) < _KEPT_STALLS:
+                heapq.heappush(kept, entry)
             else:
-                heapq.heappushpop(self._longest, entry)
+                heapq.heappushpop(kept, entry)
         level = logging.WARNING if in_callback else logging.INFO
         _LOGGER.log(level, "%s: the event loop did not turn for %.2f s; it was in:\n%s", self.process, seconds, where)
 
@@ -217,7 +241,7 @@ class LoopWatchdog:
 
     def stats(self) -> pb.LoopStats:
         with self._lock:
-            longest = sorted(self._longest, reverse=True)
+            longest = sorted([*self._longest[True], *self._longest[False]], reverse=True)
             stats = pb.LoopStats(
                 process=self.process,
                 event_loop=loop_kind(self._loop),
