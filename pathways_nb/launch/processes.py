@@ -18,6 +18,7 @@ be shared between the machines.
 from __future__ import annotations
 
 import enum
+import gc
 import logging
 import os
 import re
@@ -117,6 +118,9 @@ def serve_until_stopped(server, message: str, started: float, port_file: str | N
     (``stop.fail``: then the process exits with 1); returns the exit status."""
     stop = stop or StopRequest()
     stop.listen()  # (the server's start may have joined a JAX distributed runtime, which takes SIGTERM)
+    # What start-up made (jax, XLA's modules, the servers) lives as long as the process: a full collection
+    # no longer walks it, on whichever thread, the event loop's included, happens to trigger one.
+    gc.freeze()
     exit_with_parent(stop.request)
     print(f"{message} (started in {time.monotonic() - started:.1f} s)", flush=True)
     if port_file:
