@@ -40,7 +40,8 @@ from pathways_nb.launch.local_cluster import LocalCluster
 from pathways_nb.launch.processes import ChildServer
 from pathways_nb.testing import python_process
 
-FLOAT_OF_F = """
+# A client of local JAX, or of the server at argv[1] (with the token argv[2]): its first device.
+ON_ITS_DEVICE = """
     import sys, time, jax, numpy as np, pathways_nb
     address, token = sys.argv[1:3]
     if address == "local":
@@ -48,6 +49,11 @@ FLOAT_OF_F = """
     else:
         pathways_nb.connect(address, token=token or None)
         device = jax.devices()[0]
+"""
+
+FLOAT_OF_F = (
+    ON_ITS_DEVICE
+    + """
     f = jax.jit(lambda a: a * 2 + 1)
     x = jax.device_put(np.float32(3), device)
     for _ in range(50):
@@ -61,15 +67,11 @@ FLOAT_OF_F = """
             times.append(time.perf_counter() - started)
         print(" ".join(f"{t * 1e6:.1f}" for t in times), flush=True)
 """
+)
 
-CHAIN_OF_F = """
-    import sys, time, jax, numpy as np, pathways_nb
-    address, token = sys.argv[1:3]
-    if address == "local":
-        device = jax.devices("cpu")[0]
-    else:
-        pathways_nb.connect(address, token=token or None)
-        device = jax.devices()[0]
+CHAIN_OF_F = (
+    ON_ITS_DEVICE
+    + """
     f = jax.jit(lambda a: a * 0.5 + 1)
     x = jax.device_put(np.float32(3), device)
     for _ in range(200):
@@ -85,6 +87,7 @@ CHAIN_OF_F = """
         per_call = (time.perf_counter() - started) / calls
         print(" ".join([f"{per_call * 1e6:.1f}"] * calls), flush=True)
 """
+)
 
 BARE_GRPC = """
     import sys, time, queue, grpc
