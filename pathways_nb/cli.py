@@ -1,8 +1,9 @@
 """The ``pathways-nb`` command: the commands of each part of pathways-nb, assembled.
 
 Each command is declared and run by the module that implements it (``add_parser``, which sets
-``run``): the servers' in ``proxy.command``, ``rm.command``, ``worker.command`` and
-``launch.colocated_host_command``; ``up`` and ``logs`` in ``launch``; ``sessions`` and ``drain`` in
+``run``): the servers' in ``launch.proxy_command``, ``launch.resource_manager_command``,
+``launch.worker_command`` and ``launch.colocated_host_command`` (starting a server's process is the
+launch layer's, above the servers); ``up`` and ``logs`` in ``launch``; ``sessions`` and ``drain`` in
 ``client.operate``; ``deploy`` and ``kernel`` in ``deploy`` and ``notebook.kernelspec``. Building the
 parser imports no server and nothing of the client's (jax's backends, pandas): a command's ``run``
 imports what it needs.
@@ -24,12 +25,16 @@ from pathways_nb._version import __version__
 from pathways_nb.client import operate
 from pathways_nb.core.command_line import ArgumentParser
 from pathways_nb.errors import PathwaysError
-from pathways_nb.launch import cluster_logs, colocated_host_command, up
+from pathways_nb.launch import (
+    cluster_logs,
+    colocated_host_command,
+    proxy_command,
+    resource_manager_command,
+    up,
+    worker_command,
+)
 from pathways_nb.launch.processes import LOG_FORMAT
 from pathways_nb.notebook import kernelspec
-from pathways_nb.proxy import command as proxy_command
-from pathways_nb.rm import command as rm_command
-from pathways_nb.worker import command as worker_command
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     for add_parser in (
         proxy_command.add_parser,
-        rm_command.add_parser,
+        resource_manager_command.add_parser,
         worker_command.add_parser,
         colocated_host_command.add_parser,
         up.add_parser,
