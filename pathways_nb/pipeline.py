@@ -103,7 +103,7 @@ def issue_order(plans: Sequence[Sequence[Op]]) -> list[tuple[int, Op]]:
     while len(order) < sum(map(len, plans)):
         progressed = False
         for stage, plan in enumerate(plans):
-            while cursors[stage] < len(plan) and _ready(stage, plan[cursors[stage]], done, len(plans)):
+            while cursors[stage] < len(plan) and _ready(stage, plan[cursors[stage]], done):
                 op = plan[cursors[stage]]
                 order.append((stage, op))
                 done.update((stage, kind, op.microbatch) for kind in (("F", "B") if op.kind == "FB" else (op.kind,)))
@@ -114,7 +114,7 @@ def issue_order(plans: Sequence[Sequence[Op]]) -> list[tuple[int, Op]]:
     return order
 
 
-def _ready(stage: int, op: Op, done: set, stages: int) -> bool:
+def _ready(stage: int, op: Op, done: set) -> bool:
     needs = []
     if op.kind in ("F", "FB") and stage > 0:
         needs.append((stage - 1, "F", op.microbatch))
@@ -209,10 +209,9 @@ class Pipeline:
         x = _microbatch_shape(batch, self.microbatches, "batch")
         held = []
         for s, (programs, p) in enumerate(zip(self._programs[:-1], params, strict=False)):
-            y, residuals = jax.eval_shape(programs.forward, p, x)
-            held.append(
-                live_activations(self.plans[s]) * sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(residuals))
-            )
+            y, kept = jax.eval_shape(programs.forward, p, x)
+            one = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves((kept, x)))
+            held.append(live_activations(self.plans[s]) * one)
             x = y
         return [*held, 0]
 
@@ -245,17 +244,47 @@ class Pipeline:
 
 
 class _StagePrograms:
-    """One stage's jitted programs: the forward (output and residuals), the backward (the input's gradient,
-    the parameters' gradients added to the running sum), and for the last stage both in one program."""
+    """One stage's jitted programs: the forward (its output, and what the backward needs of it), the backward
+    (the input's gradient, the parameters' gradients added to the running sum), and for the last stage both
+    in one program.
+
+    The forward's residuals leave out the stage's inputs, parameters and microbatch (``jax.vjp`` keeps them,
+    and a program's outputs are new buffers: M microbatches would hold M copies of the parameters); the
+    backward takes them again. Where each of ``jax.vjp``'s residuals goes is read while the forward is
+    traced, and used when the backward is.
+    """
 
     def __init__(self, fn: Callable, index: int, last: bool, recompute: bool, scale: float):
+        self.fn = fn
         if last:
             self.forward_backward = _jit(_last_stage(fn, scale), f"stage{index}_forward_backward", donate=(3,))
             return
-        forward = (lambda p, x: (fn(p, x), (p, x))) if recompute else (lambda p, x: jax.vjp(fn, p, x))
-        backward = _recomputing_backward(fn) if recompute else _backward
+        self._layouts: dict[tuple, tuple] = {}  # residuals' shapes -> (the pullback's treedef, the inputs' places)
+        forward = (lambda p, x: (fn(p, x), [])) if recompute else self._keeping_forward
+        backward = self._recomputing_backward if recompute else self._kept_backward
         self.forward = _jit(forward, f"stage{index}_forward")
-        self.backward = _jit(backward, f"stage{index}_backward", donate=(2,))
+        self.backward = _jit(backward, f"stage{index}_backward", donate=(3,))
+
+    def _keeping_forward(self, p, x):
+        """The output and the residuals that are not the stage's inputs (the backward gets those again)."""
+        y, pullback = jax.vjp(self.fn, p, x)
+        leaves, treedef = jax.tree.flatten(pullback)
+        inputs = {id(leaf): i for i, leaf in enumerate(jax.tree.leaves((p, x)))}
+        kept = [leaf for leaf in leaves if id(leaf) not in inputs]
+        self._layouts[_signature(kept)] = (treedef, tuple(inputs.get(id(leaf)) for leaf in leaves))
+        return y, kept
+
+    def _kept_backward(self, p, residuals, grad_y, accumulated):
+        kept, x = residuals
+        treedef, places = self._layouts[_signature(kept)]
+        inputs, rest = jax.tree.leaves((p, x)), iter(kept)
+        pullback = treedef.unflatten([next(rest) if i is None else inputs[i] for i in places])
+        return _backward(pullback, grad_y, accumulated)
+
+    def _recomputing_backward(self, p, residuals, grad_y, accumulated):
+        _, x = residuals
+        _, pullback = jax.vjp(self.fn, p, x)
+        return _backward(pullback, grad_y, accumulated)
 
 
 def _last_stage(fn: Callable, scale: float) -> Callable:
@@ -277,14 +306,6 @@ def _backward(pullback, grad_y, accumulated):
     return grad_x, _added(accumulated, grad_p)
 
 
-def _recomputing_backward(fn: Callable) -> Callable:
-    def backward(inputs, grad_y, accumulated):
-        _, pullback = jax.vjp(fn, *inputs)
-        return _backward(pullback, grad_y, accumulated)
-
-    return backward
-
-
 def _added(accumulated, tree):
     """``tree`` added to the running sum (the first microbatch's backward starts it: ``accumulated`` None)."""
     return tree if accumulated is None else jax.tree.map(jnp.add, accumulated, tree)
@@ -292,8 +313,12 @@ def _added(accumulated, tree):
 
 def _jit(fn: Callable, name: str, donate: tuple[int, ...] = ()) -> Callable:
     """``jax.jit``, its program named ``jit_<name>`` (what timelines and profiles show)."""
-    fn.__name__ = fn.__qualname__ = name
-    return jax.jit(fn, donate_argnums=donate)
+
+    def program(*args):
+        return fn(*args)
+
+    program.__name__ = program.__qualname__ = name
+    return jax.jit(program, donate_argnums=donate)
 
 
 class _Step:
@@ -316,14 +341,18 @@ class _Step:
         return StepResult(loss, [*self.accumulated[:-1], grad_last], self.peak_live)
 
     def _forward(self, stage: int, m: int) -> None:
-        y, self.residuals[stage][m] = self.pipe._programs[stage].forward(self.params[stage], self.inbox[stage].pop(m))
+        x = self.inbox[stage].pop(m)
+        y, kept = self.pipe._programs[stage].forward(self.params[stage], x)
+        self.residuals[stage][m] = (kept, x)  # the input, kept for the backward rather than copied
         self.peak_live[stage] = max(self.peak_live[stage], len(self.residuals[stage]))
         self.inbox[stage + 1][m] = jax.device_put(y, self.pipe.shardings[stage + 1])
 
     def _backward(self, stage: int, m: int) -> None:
         programs = self.pipe._programs[stage]
         residuals, grad_y = self.residuals[stage].pop(m), self.grad_inbox[stage].pop(m)
-        grad_x, self.accumulated[stage] = programs.backward(residuals, grad_y, self.accumulated[stage])
+        grad_x, self.accumulated[stage] = programs.backward(
+            self.params[stage], residuals, grad_y, self.accumulated[stage]
+        )
         if stage > 0:
             self.grad_inbox[stage - 1][m] = jax.device_put(grad_x, self.pipe.shardings[stage - 1])
 
