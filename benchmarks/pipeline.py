@@ -14,6 +14,9 @@ SPMD program then runs across the islands, on their group). Reported side by sid
 - the most residual bytes a stage holds at once (``Pipeline.held_bytes``: 1F1B holds at most S
   microbatches' where GPipe holds M).
 
+Each time is the fastest of its runs, the runs of all of them (SPMD, both schedules, each stage alone)
+taking turns for --seconds, so that a burst of load elsewhere costs them alike.
+
 On one machine every device shares the same CPU cores, so S stages cannot all compute at once: the
 ratios say what the machine allows, not what islands of their own would do.
 """
@@ -84,17 +87,23 @@ CLIENT = """
             x = function(p, x)
         return functions[-1](params[-1], x, targets)
 
-    def timed(step):
-        step()
-        step()                                  # compiled and warm
-        steps, started = 0, time.perf_counter()
-        while time.perf_counter() - started < seconds or steps < 2:
-            step()
-            steps += 1
-        return (time.perf_counter() - started) / steps
-
     def wait(result):
         jax.block_until_ready((result.loss, result.grads))
+
+    def fastest(steps):
+        # Each step's shortest time, the steps taking turns (so that a burst of load elsewhere costs them
+        # alike) for `seconds` and at least 3 rounds, after two runs each to compile and warm up.
+        times = {name: [] for name in steps}
+        for step in [*steps.values()] * 2:
+            step()
+        rounds, started = 0, time.perf_counter()
+        while time.perf_counter() - started < seconds or rounds < 3:
+            for name, step in steps.items():
+                began = time.perf_counter()
+                step()
+                times[name].append(time.perf_counter() - began)
+            rounds += 1
+        return {name: min(spans) for name, spans in times.items()}
 
     row = {"stages": stages, "microbatches": microbatches, "tokens": len(batch) * length}
     mesh = Mesh(np.array(devices), ("data",))
@@ -102,22 +111,25 @@ CLIENT = """
     spread = NamedSharding(mesh, P("data"))
     spmd_batch, spmd_targets = jax.device_put(batch, spread), jax.device_put(targets, spread)
     spmd = jax.jit(jax.value_and_grad(full_loss))
-    row["spmd_s"] = timed(lambda: jax.block_until_ready(spmd(spmd_params, spmd_batch, spmd_targets)))
+    steps = {"spmd": lambda: jax.block_until_ready(spmd(spmd_params, spmd_batch, spmd_targets))}
+    placed = [jax.device_put(p, d) for p, d in zip(params, devices)]
     for schedule in ("gpipe", "1f1b"):
         pipe = Pipeline(functions, devices, microbatches=microbatches, schedule=schedule)
-        placed = [jax.device_put(p, d) for p, d in zip(params, devices)]
-        row[f"{schedule}_s"] = timed(lambda: wait(pipe.step(placed, batch, targets)))
+        steps[schedule] = lambda pipe=pipe: wait(pipe.step(placed, batch, targets))
         row[f"{schedule}_held"] = pipe.held_bytes(params, batch)
-    stage_s, x = 0.0, jax.device_put(batch[:per_microbatch], devices[0])
+    x = jax.device_put(batch[:per_microbatch], devices[0])
     for s, (function, p) in enumerate(zip(functions, placed)):  # each stage's forward and backward, alone
         if s == stages - 1:
             labels = jax.device_put(targets[:per_microbatch], devices[s])
-            alone = jax.jit(jax.grad(lambda p, x: function(p, x, labels), argnums=(0, 1)))
+            alone = jax.jit(lambda p, x, f=function, t=labels: jax.grad(lambda p, x: f(p, x, t), (0, 1))(p, x))
         else:
-            alone = jax.jit(lambda p, x: jax.vjp(function, p, x)[1](function(p, x)))
-        stage_s += timed(lambda: jax.block_until_ready(alone(p, x)))
+            alone = jax.jit(lambda p, x, f=function: jax.vjp(f, p, x)[1](f(p, x)))
+        steps[f"stage{s}"] = lambda alone=alone, p=p, x=x: jax.block_until_ready(alone(p, x))
         if s < stages - 1:
             x = jax.device_put(function(p, x), devices[s + 1])
+    fast = fastest(steps)
+    row.update({f"{name}_s": fast[name] for name in ("spmd", "gpipe", "1f1b")})
+    stage_s = sum(fast[f"stage{s}"] for s in range(stages))
     row["busy_s"] = stage_s * microbatches
     row["theory"] = bubble(stages, microbatches)
     print(json.dumps(row), flush=True)
