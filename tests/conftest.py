@@ -141,10 +141,11 @@ def magic(monkeypatch):
     """``%pathways`` in an IPython shell (no kernel), connected to what ``connected["session"]`` is set to."""
     from IPython.core.interactiveshell import InteractiveShell
 
+    from pathways_nb.client import connection
     from pathways_nb.notebook import magics
 
     connected = {"session": None}
-    monkeypatch.setattr(pathways_nb, "current", lambda: connected["session"])
+    monkeypatch.setattr(connection, "current", lambda: connected["session"])
     shell = magics.PathwaysMagics(InteractiveShell.instance())
     shell.connected = connected
     return shell

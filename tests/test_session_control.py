@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from IPython.core.error import UsageError
 
-import pathways_nb
 from pathways_nb import cli
+from pathways_nb.client import connection
 from pathways_nb.core.session_options import PRIORITY, PRIORITY_ENV, SessionOptions
 from pathways_nb.errors import PathwaysError
 
@@ -116,7 +116,7 @@ def test_connect_asks_for_the_priority_it_is_given(magic, monkeypatch, words, pr
         asked.update(options)
         raise PathwaysError("not here")
 
-    monkeypatch.setattr(pathways_nb, "connect", connect)
+    monkeypatch.setattr(connection, "connect", connect)
     with pytest.raises(UsageError, match="not here"):
         magic.pathways(" ".join(["connect", "grpc://127.0.0.1:1", *words]))
     assert asked["priority"] == priority
