@@ -398,7 +398,19 @@ def test_up_inside_salloc_lays_the_cluster_over_the_allocation_and_scancel_ends_
         assert len(workers) == 3 and all(_serves_only_tls(w.address, ca) for w in workers), workers
         _cancel(slurm, job_id)
         assert salloc.wait(GONE_WITHIN_S) == 0
-        assert not directory.exists()  # its address and token went with it, then the directory it made
+        # Its address and token went with it, then the directory it made (unless the cluster kept its logs or
+        # storage: then the launcher's last lines say why).
+        left = sorted(str(path.relative_to(directory)) for path in directory.rglob("*")) if directory.exists() else []
+        assert not directory.exists(), (left, _written_so_far(salloc.stdout)[-4000:])
     finally:
         salloc.kill()
         salloc.communicate()
+
+
+def _written_so_far(stream) -> str:
+    """What a process's output pipe holds now, without waiting for its end (a child may still hold it open)."""
+    os.set_blocking(stream.fileno(), False)
+    try:
+        return stream.read() or ""
+    except (OSError, TypeError):
+        return ""
