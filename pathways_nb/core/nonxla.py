@@ -27,6 +27,7 @@ programs the text says "Bad PluginProgram" (what pathwaysutils looks for) and li
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import json
 from collections.abc import Callable, Iterable, Sequence
@@ -206,23 +207,24 @@ class HostContext:
         )
 
 
-class ProxyHalf:
+class ProxyHalf(abc.ABC):
     """The proxy half of one kind of non-XLA program; subclasses set ``kind`` and ``key`` and implement ``plan``."""
 
     kind: ClassVar[str] = PLUGIN
     key: ClassVar[str] = ""
 
+    @abc.abstractmethod
     def plan(self, body: Any, session: SessionView) -> ProgramPlan:
         """Checks the request and says where it runs and what it returns (on the proxy's compile pool)."""
-        raise NotImplementedError
 
 
-class HostHalf:
+class HostHalf(abc.ABC):
     """The host half of one kind of non-XLA program; subclasses set ``kind`` and ``key`` and implement ``run``."""
 
     kind: ClassVar[str] = PLUGIN
     key: ClassVar[str] = ""
 
+    @abc.abstractmethod
     def run(
         self,
         request: bytes,
@@ -238,7 +240,6 @@ class HostHalf:
         local pieces of it (jax arrays on its devices);
         ``device_ids``: this host's devices among the plan's ``host_device_ids`` (local ids).
         """
-        raise NotImplementedError
 
 
 Half = TypeVar("Half", ProxyHalf, HostHalf)
